@@ -23,7 +23,9 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
     name = str(spec).strip().lower()
     kind = name.split(":", 1)[0]
     if kind not in ALLOWED_DEVICES:
-        raise ValueError(f"device={spec!r} is not supported; allowed values: {', '.join(ALLOWED_DEVICES)} (cuda:N too)")
+        raise ValueError(
+            f"device={spec!r} is not supported; allowed values: {', '.join(ALLOWED_DEVICES)} (cuda:N too)"
+        )
     if kind == "auto":
         if _mps_available():
             return torch.device("mps")
@@ -31,12 +33,18 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
             return torch.device("cuda")
         return torch.device("cpu")
     if kind == "mps" and not _mps_available():
-        raise ValueError(f"device={spec!r} requested but MPS is not available on this machine; use 'auto' or 'cpu'")
+        raise ValueError(
+            f"device={spec!r} requested but MPS is not available on this machine; use 'auto' or 'cpu'"
+        )
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={spec!r} requested but CUDA is not available on this machine; use 'auto' or 'cpu'")
+            raise ValueError(
+                f"device={spec!r} requested but CUDA is not available on this machine; use 'auto' or 'cpu'"
+            )
         device = torch.device(name)
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device={spec!r}: only {torch.cuda.device_count()} CUDA device(s) present")
+            raise ValueError(
+                f"device={spec!r}: only {torch.cuda.device_count()} CUDA device(s) present"
+            )
         return device
     return torch.device(name)

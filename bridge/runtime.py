@@ -38,7 +38,9 @@ def parse_flag(name: str, raw: str | None) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name}={raw!r} is not a boolean; allowed values: {', '.join(_TRUE + _FALSE[1:])}")
+    raise ValueError(
+        f"{name}={raw!r} is not a boolean; allowed values: {', '.join(_TRUE + _FALSE[1:])}"
+    )
 
 
 def is_stable_series(raw_version: object, series: tuple[int, int]) -> bool:
