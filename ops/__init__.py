@@ -1,1 +1,41 @@
-"""ops package."""
+"""ops: every swappable compute op, one signature each; torch is the reference and default.
+
+Models call `ops.attention(...)`, `ops.rms_norm(...)`, ... ; each dispatches through the table in
+ops/registry.py to the backend chosen once at start-up (`ops.configure()`, or the first call).
+`ops.backends()` reports the choice. Importing this package never imports mlx.
+"""
+
+from ops.attention import KeyLayout
+from ops.registry import OPS, backends, configure, make_dispatcher
+from ops.rope import rope_cos_sin, rope_init
+
+attention = make_dispatcher("attention")
+rms_norm = make_dispatcher("rms_norm")
+layer_norm = make_dispatcher("layer_norm")
+apply_rope = make_dispatcher("apply_rope")
+moe_gpt_oss = make_dispatcher("moe_gpt_oss")
+moe_qwen3 = make_dispatcher("moe_qwen3")
+sample = make_dispatcher("sampler")
+norm_infer = make_dispatcher("norm_infer")
+modulate = make_dispatcher("modulate")
+dit_rope = make_dispatcher("dit_rope")
+
+
+__all__ = [
+    "OPS",
+    "KeyLayout",
+    "apply_rope",
+    "attention",
+    "backends",
+    "configure",
+    "dit_rope",
+    "layer_norm",
+    "moe_gpt_oss",
+    "moe_qwen3",
+    "modulate",
+    "norm_infer",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_init",
+    "sample",
+]

@@ -1,0 +1,189 @@
+"""Attention over explicit positions: causal, GQA, optional sliding window and sinks.
+
+Why one function with positions instead of a mask argument: a model should not know whether its
+keys come from a paged pool, a windowed ring or nothing at all. The cache hands back its keys with
+a `KeyLayout` (where key 0 sits, how many keys each row really has) and the queries carry their
+absolute positions; every visibility rule (causal, window, padding) follows from those two. The
+mask is built once per step per (window, shape) and cached on the layout, so 30 layers pay for
+it once.
+
+Fast paths (measured in tools/bench_ops.py, see docs/perf_sections/ops.md):
+- no layout and the window cannot bind (N <= W): fused causal SDPA (`is_causal=True`), no mask
+  tensor at all (the seed measured a materialised band at ~2x per layer);
+- `layout.is_causal_tail` (the queries are the last N of S contiguous keys, every row full):
+  the mask depends only on (N, S, W) and is a shared [N, S] tensor, or nothing for decode;
+- sinks: one extra key column (key 0, value 0) whose additive-mask logit is the sink, so SDPA
+  still does the work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(eq=False)
+class KeyLayout:
+    """Where the keys a cache returns sit in absolute positions; one object per layer kind per step.
+
+    k_offsets: [B] int64, absolute position of `keys[:, :, 0]` (0 unless the cache is windowed).
+    kv_lens:   [B] int64, valid keys per row; keys at index >= kv_len are padding.
+    is_causal_tail: optional host-side hint; True promises that every row has kv_len == S and
+        that the N queries sit at positions k_offset + S - N ... k_offset + S - 1 (one request's
+        prefill chunk or decode step over a contiguous cache). The mask is then built without
+        reading any tensor (and is None for decode when the window cannot bind).
+    """
+
+    k_offsets: torch.Tensor
+    kv_lens: torch.Tensor
+    is_causal_tail: bool = False
+    # per-step mask cache: (window, N, S, tail) -> (q_positions it was built for, mask)
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def contiguous(cls, kv_lens: torch.Tensor, *, is_causal_tail: bool = False) -> KeyLayout:
+        """Layout of a cache whose key 0 is position 0 for every row (full-attention caches)."""
+        return cls(torch.zeros_like(kv_lens), kv_lens, is_causal_tail=is_causal_tail)
+
+    def mask(self, q_positions: torch.Tensor, num_keys: int, window: int | None):
+        """Boolean visibility mask (True = attend) broadcastable to [B, H, N, S], or None.
+
+        Rows with no visible key (padding rows) get key 0 unmasked so their output stays finite.
+        """
+        n = q_positions.shape[1]
+        key = (window, n, num_keys)
+        hit = self._masks.get(key)
+        if hit is not None and hit[0] is q_positions:
+            return hit[1]
+        if self.is_causal_tail:
+            built = tail_mask(n, num_keys, window, q_positions.device)
+        else:
+            built = position_mask(q_positions, self.k_offsets, self.kv_lens, num_keys, window)
+        self._masks[key] = (q_positions, built)
+        return built
+
+
+def tail_mask(n: int, num_keys: int, window: int | None, device) -> torch.Tensor | None:
+    """[N, S] mask for queries that are the last N of S contiguous keys; None when all visible."""
+    past = num_keys - n
+    binds = window is not None and num_keys > window
+    if n == 1 and not binds:
+        return None
+    q_pos = torch.arange(past, num_keys, device=device)[:, None]  # [N, 1]
+    k_pos = torch.arange(num_keys, device=device)[None, :]  # [1, S]
+    allowed = k_pos <= q_pos
+    if binds:
+        allowed = allowed & (k_pos > q_pos - window)
+    return allowed
+
+
+def position_mask(
+    q_positions: torch.Tensor,
+    k_offsets: torch.Tensor,
+    kv_lens: torch.Tensor,
+    num_keys: int,
+    window: int | None,
+) -> torch.Tensor:
+    """[B, 1, N, S] mask from absolute positions; padding rows keep key 0 to stay finite."""
+    idx = torch.arange(num_keys, device=q_positions.device)
+    k_pos = (k_offsets[:, None] + idx)[:, None, :]  # [B, 1, S]
+    q_pos = q_positions[:, :, None]  # [B, N, 1]
+    allowed = (idx < kv_lens[:, None])[:, None, :] & (k_pos <= q_pos)  # [B, N, S]
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
+    allowed[:, :, 0] |= ~allowed.any(dim=-1)
+    return allowed[:, None]
+
+
+def _check(q, k, v, q_positions, layout, window, sinks) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"attention: q, k, v must be 4-D [B, H, N|S, D]; got q{tuple(q.shape)}, "
+            f"k{tuple(k.shape)}, v{tuple(v.shape)}"
+        )
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"attention: k/v must be [B, Hkv, S, D] matching q [B, Hq, N, D]; got q{tuple(q.shape)}, "
+            f"k{tuple(k.shape)}, v{tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: Hkv={k.shape[1]} must divide Hq={q.shape[1]}")
+    if tuple(q_positions.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"attention: q_positions must be [B, N] = {(q.shape[0], q.shape[2])}; "
+            f"got {tuple(q_positions.shape)}"
+        )
+    if layout is None and k.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"attention: layout=None means keys are this chunk's tokens, so S must equal N; "
+            f"got S={k.shape[2]}, N={q.shape[2]}"
+        )
+    if window is not None and window < 1:
+        raise ValueError(f"attention: window must be None or >= 1; got {window}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(
+            f"attention: sinks must be [Hq] = [{q.shape[1]}]; got {tuple(sinks.shape)}"
+        )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    layout: KeyLayout | None,
+    *,
+    sm_scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention with causal/window/padding rules derived from positions.
+
+    q [B, Hq, N, D]; k, v [B, Hkv, S, D] with Hkv dividing Hq; q_positions [B, N] int64.
+    layout None: the keys are exactly this chunk's tokens (S == N), at consecutive positions.
+    Otherwise a query at position p sees key j (position k_offsets[b] + j) iff j < kv_lens[b],
+    position <= p and, with a window W, position > p - W. sinks [Hq] adds one logit column per
+    head, dropped after the softmax. Returns [B, Hq, N, D] in q's dtype; fully masked rows
+    (padding) give finite output.
+    """
+    _check(q, k, v, q_positions, layout, window, sinks)
+    n, num_keys = q.shape[2], k.shape[2]
+    is_gqa = q.shape[1] != k.shape[1]
+    if layout is None:
+        # keys == queries at consecutive positions: index order is position order
+        if window is None or n <= window:
+            mask, is_causal = None, True
+        else:
+            mask, is_causal = tail_mask(n, n, window, q.device), False
+    else:
+        mask, is_causal = layout.mask(q_positions, num_keys, window), False
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=sm_scale, enable_gqa=is_gqa
+        )
+    return _attention_with_sinks(q, k, v, mask, is_causal, sm_scale, sinks, is_gqa)
+
+
+def _attention_with_sinks(q, k, v, mask, is_causal, sm_scale, sinks, is_gqa):
+    """Sinks as an extra key column: key = 0, value = 0, additive logit = sinks[h]."""
+    b, hkv, s, d = k.shape
+    n = q.shape[2]
+    zeros = k.new_zeros(b, hkv, 1, d)
+    k_ext = torch.cat([k, zeros], dim=2)  # [B, Hkv, S + 1, D]
+    v_ext = torch.cat([v, zeros], dim=2)
+    if is_causal:
+        mask = tail_mask(n, s, None, q.device)
+    neg = torch.finfo(q.dtype).min
+    if mask is None:
+        bias = q.new_zeros(1, 1, n, s)
+    else:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, neg)
+        while bias.dim() < 4:
+            bias = bias[None]
+    sink_col = sinks.to(q.dtype)[None, :, None, None].expand(bias.shape[0], -1, n, 1)
+    bias = torch.cat([bias.expand(bias.shape[0], q.shape[1], n, s), sink_col], dim=-1)
+    return F.scaled_dot_product_attention(
+        q, k_ext, v_ext, attn_mask=bias, scale=sm_scale, enable_gqa=is_gqa
+    )

@@ -1,0 +1,39 @@
+"""RMSNorm and LayerNorm with fp32 accumulation and output in the input dtype.
+
+Why fp32 inside: bf16 has 8 mantissa bits, so a mean of squares over 576-2880 channels computed
+in bf16 drifts visibly; every reference model (Llama, gpt-oss, Qwen3) upcasts. The weight is
+applied in fp32 and the result rounded once (gpt-oss and Gemma do this; Llama rounds before the
+weight, a one-ulp difference in bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim; fp32 math, returns x's dtype.
+
+    x [..., H]; weight [H] or None (no scale).
+    """
+    if weight is not None and weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight must be [{x.shape[-1]}]; got {tuple(weight.shape)}")
+    x32 = x.float()
+    out = x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + eps)
+    if weight is not None:
+        out = out * weight.float()
+    return out.to(x.dtype)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """LayerNorm over the last dim with optional weight/bias; fp32 math, returns x's dtype."""
+    hidden = x.shape[-1]
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None and param.shape != (hidden,):
+            raise ValueError(f"layer_norm: {name} must be [{hidden}]; got {tuple(param.shape)}")
+    w32 = None if weight is None else weight.float()
+    b32 = None if bias is None else bias.float()
+    return F.layer_norm(x.float(), (hidden,), w32, b32, eps).to(x.dtype)
