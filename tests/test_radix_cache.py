@@ -1,0 +1,114 @@
+"""RadixCache contracts: longest block-prefix match against a brute-force reference, reference
+counting with the BlockManager, LRU eviction of unreferenced leaves, payload-gated matches."""
+
+import random
+
+from torch_runner.block_manager import BlockManager
+from torch_runner.radix_cache import RadixCache
+
+BS = 4
+
+
+def _brute_force_match(inserted: list[list[int]], tokens: list[int], max_tokens: int) -> int:
+    """Longest number of whole blocks shared with any inserted sequence (a pure-Python oracle)."""
+    best = 0
+    limit = min(len(tokens), max_tokens) // BS
+    for seq in inserted:
+        n = 0
+        while (
+            n < limit
+            and n < len(seq) // BS
+            and seq[n * BS : (n + 1) * BS] == tokens[n * BS : (n + 1) * BS]
+        ):
+            n += 1
+        best = max(best, n)
+    return best
+
+
+def _insert(cache: RadixCache, bm: BlockManager, tokens: list[int], payload=None) -> list[int]:
+    table: list[int] = []
+    bm.grow(table, len(tokens))
+    num_full = len(tokens) // BS
+    cache.insert(tokens, table[:num_full], payload)
+    blocks = list(table)
+    bm.release(table)  # the sequence finishes; the tree keeps its own references
+    return blocks
+
+
+def test_match_equals_brute_force_longest_block_prefix():
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=4096, block_size=BS)
+    cache = RadixCache(bm)
+    inserted = []
+    for _ in range(60):
+        base = rng.choice(inserted) if inserted and rng.random() < 0.7 else []
+        cut = rng.randint(0, len(base))
+        tokens = base[:cut] + [rng.randint(0, 3) for _ in range(rng.randint(1, 20))]
+        _insert(cache, bm, tokens)
+        inserted.append(tokens)
+    for _ in range(200):
+        base = rng.choice(inserted)
+        tokens = base[: rng.randint(1, len(base))] + [
+            rng.randint(0, 3) for _ in range(rng.randint(0, 6))
+        ]
+        max_tokens = rng.randint(0, len(tokens))
+        blocks, _ = cache.match_prefix(tokens, max_tokens)
+        assert len(blocks) == _brute_force_match(inserted, tokens, max_tokens)
+    # every node holds exactly one reference: used blocks == nodes
+    assert bm.num_used_blocks == cache.num_nodes
+
+
+def test_matched_blocks_hold_the_inserted_tokens():
+    bm = BlockManager(num_blocks=64, block_size=BS)
+    cache = RadixCache(bm)
+    a = list(range(10))
+    table_a = _insert(cache, bm, a)
+    blocks, _ = cache.match_prefix(a + [99], 11)
+    assert blocks == table_a[:2]  # 10 tokens -> 2 full blocks cached
+
+
+def test_lru_eviction_frees_unreferenced_leaves_oldest_first():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    cache = RadixCache(bm)
+    old = [1] * 8
+    new = [2] * 8
+    _insert(cache, bm, old)
+    _insert(cache, bm, new)
+    cache.match_prefix(new, 8)  # touch `new`
+    assert cache.num_evictable_blocks() == 4
+    assert cache.evict(2) == 2
+    assert cache.match_prefix(old, 8)[0] == []  # the old path went first (leaf, then parent)
+    assert len(cache.match_prefix(new, 8)[0]) == 2
+    assert bm.num_free_blocks == 16 - 2
+
+
+def test_referenced_blocks_are_never_evicted():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    cache = RadixCache(bm)
+    tokens = list(range(12))
+    _insert(cache, bm, tokens)
+    blocks, _ = cache.match_prefix(tokens, 12)
+    for b in blocks[:2]:
+        bm.incref(b)  # a running sequence shares the first two blocks
+    assert cache.num_evictable_blocks() == 1
+    assert cache.evict(3) == 1
+    assert cache.match_prefix(tokens, 12)[0] == blocks[:2]
+    for b in blocks[:2]:
+        bm.decref(b)
+    cache.reset()
+    assert bm.num_free_blocks == 16 and cache.num_nodes == 0
+
+
+def test_payload_gated_match_stops_at_deepest_payload_node():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    cache = RadixCache(bm, max_payloads=1)
+    tokens = list(range(16))
+    _insert(cache, bm, tokens[:8], payload="at-8")
+    _insert(cache, bm, tokens)  # deeper path, no payload
+    blocks, payload = cache.match_prefix(tokens, 16, need_payload=True)
+    assert len(blocks) == 2 and payload == "at-8"
+    blocks, payload = cache.match_prefix(tokens, 16)
+    assert len(blocks) == 4 and payload is None
+    _insert(cache, bm, [7] * 4, payload="other")  # the cap (1) drops the older payload
+    assert cache.num_payloads == 1
+    assert cache.match_prefix(tokens, 16, need_payload=True) == ([], None)

@@ -1,0 +1,91 @@
+"""Engine configuration: one validated dataclass.
+
+Every knob the engine reads lives here, so the CLI, the offline `Engine(...)` keywords and the
+server all build the same object and get the same errors (each naming the field and the values
+it accepts) before a weight is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+
+
+def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        extra = " or None" if allow_none else ""
+        raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}{extra}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    `max_total_tokens` fixes the paged KV pool size; when None the pool takes
+    `mem_fraction` of the device's free memory (capped at what `max_num_seqs` requests of
+    `max_model_len` tokens could ever use). `chunked_prefill_size` is the per-step token
+    budget; 0 disables chunking (prompts are prefilled whole).
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_total_tokens: int | None = None
+    mem_fraction: float = 0.3
+    chunked_prefill_size: int = 512
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    random_seed: int = 0
+    enable_deterministic_inference: bool = False
+    load_format: str = "safetensors"
+    max_waiting: int = 1024
+    max_cached_windows: int = 256
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model={self.model!r} is invalid; expected a path string or None")
+        if not isinstance(self.device, str):
+            raise ValueError(f"device={self.device!r} is invalid; expected a string")
+        if self.dtype not in ALLOWED_DTYPES:
+            raise ValueError(
+                f"dtype={self.dtype!r} is invalid; allowed values: {', '.join(ALLOWED_DTYPES)}"
+            )
+        _require_int("max_model_len", self.max_model_len, 1, allow_none=True)
+        _require_int("max_num_seqs", self.max_num_seqs, 1)
+        _require_int("max_total_tokens", self.max_total_tokens, 1, allow_none=True)
+        _require_int("chunked_prefill_size", self.chunked_prefill_size, 0)
+        _require_int("block_size", self.block_size, 1)
+        _require_int("random_seed", self.random_seed, 0)
+        _require_int("max_waiting", self.max_waiting, 1)
+        _require_int("max_cached_windows", self.max_cached_windows, 0)
+        if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, int | float):
+            raise ValueError(
+                f"mem_fraction={self.mem_fraction!r} is invalid; expected a number in (0, 1]"
+            )
+        if not 0.0 < float(self.mem_fraction) <= 1.0:
+            raise ValueError(
+                f"mem_fraction={self.mem_fraction!r} is invalid; expected a number in (0, 1]"
+            )
+        for name in ("enable_prefix_caching", "enable_deterministic_inference"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is invalid; expected true or false"
+                )
+        if self.chunked_prefill_size and self.chunked_prefill_size < self.block_size:
+            raise ValueError(
+                f"chunked_prefill_size={self.chunked_prefill_size} is invalid; expected 0 (off) or "
+                f">= block_size ({self.block_size})"
+            )
+
+    @property
+    def is_chunked_prefill(self) -> bool:
+        return self.chunked_prefill_size > 0
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
