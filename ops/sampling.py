@@ -1,0 +1,163 @@
+"""The torch sampler: logits [B, V] + SamplingBatch -> token ids, logprobs. The reference.
+
+Every random choice is Gumbel-max, argmax(log w + g), so nothing needs a multinomial or a host
+sync. Rows take one of three paths, chosen on the host when the batch was built:
+  greedy     argmax of the edited logits; no randomness consumed.
+  plain      temperature only: argmax(scaled + g) over the whole vocabulary (the logsumexp of a
+             softmax is a per-row constant, so no softmax is needed).
+  filtering  top-k / top-p / min-p on sorted probabilities, then argmax(scaled + g) over the
+             survivors. When every filtering row has top_k <= 1024 only the [F, K] top
+             candidates are sorted and drawn (bounded top-K); otherwise the full vocabulary.
+Seeded rows draw g from MurmurHash3(seed, position, token id), so their token is independent of
+batchmates, RNG state and path; other rows draw from `generator`.
+
+Order of edits: logits + logit_edits (logit_bias, grammar masks) -> penalties (repetition HF-style
+over prompt + output; presence / frequency OpenAI-style over output) -> / temperature ->
+NaN becomes -inf, +inf the largest float. Logprobs are log_softmax of that tensor (the edited
+logits divided by the temperature, before filtering).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ops.sampling_batch import RowGroup, SamplingBatch
+from ops.sampling_hash import gumbel_from_uniform, murmur_hash32, seeded_gumbel
+
+__all__ = ["SampleOutput", "SamplingBatch", "murmur_hash32", "sample"]
+
+_FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+class SampleOutput(NamedTuple):
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] fp32 chosen-token logprob; None when no row asked
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # (ids [B, K] int64, values [B, K] fp32)
+
+
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    positions: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> SampleOutput:
+    """Pick one token per row of `logits` [B, V].
+
+    `positions` [B] int64 are the absolute positions of the tokens being sampled (they key the
+    seeded noise). `logprobs` / `top_logprobs` are computed only when some row asked for them
+    (then for every row; the caller keeps the rows it needs).
+    """
+    scaled = process_logits(logits, batch)  # [B, V] fp32, finite or -inf
+    if batch.greedy is not None and batch.greedy.rows is None:
+        token_ids = scaled.argmax(dim=-1)  # greedy fast path
+    else:
+        token_ids = _sample_groups(scaled, batch, positions, generator)
+    return _with_logprobs(scaled, token_ids, batch)
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Edited, penalised, temperature-scaled, sanitised logits [B, V] fp32 (a new tensor)."""
+    x = logits.float()
+    if batch.logit_edits is not None:
+        x = x + batch.logit_edits
+    if batch.penalties is not None:
+        x = apply_penalties(x, batch.penalties)
+    if batch.temperatures is not None:
+        x = x / batch.temperatures[:, None]
+    # NaN never wins; +inf (input or temperature overflow) becomes the largest float.
+    out = x if x.data_ptr() != logits.data_ptr() else None
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=_FLOAT_MAX, out=out)
+
+
+def apply_penalties(x: torch.Tensor, penalties) -> torch.Tensor:
+    """Repetition (HF: divide positive, multiply negative logits of seen tokens), then
+    presence / frequency (OpenAI: subtract presence * [count > 0] + frequency * count)."""
+    if penalties.seen is not None:
+        r = penalties.repetition[:, None]  # [B, 1]
+        penalised = torch.where(x > 0, x / r, x * r)
+        x = torch.where(penalties.seen, penalised, x)
+    if penalties.counts is not None:
+        counts = penalties.counts  # [B, V]
+        x = x - penalties.frequency[:, None] * counts - penalties.presence[:, None] * (counts > 0)
+    return x
+
+
+def _sample_groups(scaled, batch: SamplingBatch, positions, generator) -> torch.Tensor:
+    token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=scaled.device)
+    vocab_ids = None
+    for group, pick in (
+        (batch.greedy, None),
+        (batch.plain, "plain"),
+        (batch.filtering, "filtering"),
+    ):
+        if group is None:
+            continue
+        rows = group.take(scaled)  # [R, V]
+        if pick is None:
+            chosen = rows.argmax(dim=-1)
+        elif pick == "plain":
+            if vocab_ids is None:
+                vocab_ids = torch.arange(batch.vocab_size, device=scaled.device)
+            noise = _gumbel(group, positions, vocab_ids, rows.shape, generator)  # [R, V]
+            chosen = (rows + noise).argmax(dim=-1)
+        else:
+            chosen = _sample_filtered(rows, group, batch, positions, generator)
+        if group.rows is None:
+            return chosen
+        token_ids.index_copy_(0, group.rows, chosen)
+    return token_ids
+
+
+def _sample_filtered(
+    rows, group: RowGroup, batch: SamplingBatch, positions, generator
+) -> torch.Tensor:
+    """top-k, top-p (the top token always survives), min-p, then Gumbel-max over survivors."""
+    fp = batch.filter_params
+    if fp.width < batch.vocab_size:
+        values, ids = rows.topk(fp.width, dim=-1)  # [F, W], descending
+    else:
+        values, ids = rows.sort(dim=-1, descending=True, stable=True)  # [F, V]
+    lse = _safe_logsumexp(rows)  # [F, 1]
+    probs = (values - lse).exp()  # [F, W]
+    cum = probs.cumsum(dim=-1)
+    ranks = torch.arange(fp.width, device=rows.device)
+    drop = ranks[None, :] >= fp.top_ks[:, None]
+    drop |= (cum - probs) > fp.top_ps[:, None]
+    drop |= probs < probs[:, :1] * fp.min_ps[:, None]
+    keys = values.masked_fill(drop, float("-inf"))
+    keys += _gumbel(group, positions, ids, keys.shape, generator)
+    return ids.gather(1, keys.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def _gumbel(group: RowGroup, positions, token_ids, shape, generator) -> torch.Tensor:
+    """Gumbel noise [R, W] for `token_ids` ([W] shared or [R, W]): hashed for seeded rows."""
+    device = positions.device
+    hashed = random = None
+    if group.seeds is not None:
+        hashed = seeded_gumbel(group.seeds, group.take(positions), token_ids)
+        if group.is_all_seeded:
+            return hashed
+    random = gumbel_from_uniform(torch.rand(shape, generator=generator, device=device))
+    if hashed is None:
+        return random
+    return torch.where(group.is_seeded[:, None], hashed, random)
+
+
+def _safe_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim, keepdim; 0 for rows with no finite logit (so no NaN)."""
+    lse = x.logsumexp(dim=-1, keepdim=True)
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _with_logprobs(scaled, token_ids, batch: SamplingBatch) -> SampleOutput:
+    if not batch.needs_logprobs:
+        return SampleOutput(token_ids, None, None)
+    lse = _safe_logsumexp(scaled)  # [B, 1]
+    chosen = (scaled.gather(1, token_ids[:, None]) - lse).squeeze(1)
+    top = None
+    if batch.num_top_logprobs:
+        values, ids = scaled.topk(batch.num_top_logprobs, dim=-1)
+        top = (ids, values - lse)
+    return SampleOutput(token_ids, chosen, top)

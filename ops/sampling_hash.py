@@ -1,0 +1,121 @@
+"""Seeded Gumbel noise: MurmurHash3(seed, position, token id), per ../shared/reference/seeded-sampling.md.
+
+A seeded row must pick the same token whatever its batchmates, the RNG state or the bounded /
+full-vocabulary path, so its noise is a pure function of (seed, position, token id). The hash runs
+in wrapping int32 arithmetic (3-4x cheaper than int64 on CPU) and the seed/position words are
+mixed once per row, so only the token word and the finaliser touch the [R, W] tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_C1 = 0xCC9E2D51
+_C2 = 0x1B873593
+_N = 0xE6546B64
+_F1 = 0x85EBCA6B
+_F2 = 0xC2B2AE35
+# Clamp of the uniform draw: 0xFFFFFFFF rounds to 2^32 in float32, and u == 1 gives +inf noise.
+U_MIN = 2.0**-32
+U_MAX = 1.0 - 2.0**-24
+
+
+def _i32(value: int) -> int:
+    """An unsigned 32-bit constant as the signed int32 with the same bits."""
+    return value - (1 << 32) if value >= (1 << 31) else value
+
+
+def _shr(h: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int32 words (torch's >> is arithmetic)."""
+    return (h >> n) & ((1 << (32 - n)) - 1)
+
+
+def _rotl(h: torch.Tensor, r: int) -> torch.Tensor:
+    return (h << r) | _shr(h, 32 - r)
+
+
+def _scramble(k: torch.Tensor) -> torch.Tensor:
+    k = k * _i32(_C1)
+    k = _rotl(k, 15)
+    return k * _i32(_C2)
+
+
+def _mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    h = h ^ _scramble(k)
+    h = _rotl(h, 13)
+    return h * 5 + _i32(_N)
+
+
+def _low_word(x: torch.Tensor) -> torch.Tensor:
+    """Low 32 bits of int64 values as int32 (bit pattern kept)."""
+    x = x & _M32
+    return torch.where(x >= (1 << 31), x - (1 << 32), x).to(torch.int32)
+
+
+def row_prefix_hash(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Hash state after the seed (two words) and position words: [R] int32.
+
+    `seeds` are uint64 stored in int64 (two's complement bit pattern); `positions` int64.
+    """
+    h = torch.zeros_like(seeds, dtype=torch.int32)
+    h = _mix(h, _low_word(seeds))
+    h = _mix(h, _low_word(seeds >> 32))  # arithmetic shift; _low_word keeps only the high word
+    return _mix(h, _low_word(positions))
+
+
+def finish_hash(prefix: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Mix the token word into per-row prefixes and finalise: prefix [R], token_ids [R, W] or [W].
+
+    In-place ops on the one [R, W] buffer: this is the hot loop of seeded full-vocabulary rows.
+    """
+    k = _scramble(_low_word(token_ids))  # depends on the token only; [W] when shared by rows
+    h = prefix[:, None] ^ k  # [R, W]
+    h = _rotl(h, 13).mul_(5).add_(_i32(_N)).bitwise_xor_(16)  # 16 = bytes hashed
+    h.bitwise_xor_(_shr(h, 16)).mul_(_i32(_F1))
+    h.bitwise_xor_(_shr(h, 13)).mul_(_i32(_F2))
+    return h.bitwise_xor_(_shr(h, 16))
+
+
+def murmur_hash32(seed, position, token_ids) -> torch.Tensor:
+    """MurmurHash3 of (seed, position, token id) as unsigned values in an int64 tensor.
+
+    `seed` / `position` are ints or [R] tensors (one per row); `token_ids` is [W] (shared by every
+    row) or [R, W]. Returns [R, W] (or [W] for scalar seed and position).
+    """
+    token_ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    scalar = not torch.is_tensor(seed) and not torch.is_tensor(position)
+    seeds = _as_seed_tensor(seed, token_ids.device).reshape(-1)
+    positions = torch.as_tensor(position, dtype=torch.int64, device=token_ids.device).reshape(-1)
+    seeds, positions = torch.broadcast_tensors(seeds, positions)
+    h = finish_hash(row_prefix_hash(seeds, positions), token_ids).to(torch.int64) & _M32
+    return h[0] if scalar else h
+
+
+def _as_seed_tensor(seed, device) -> torch.Tensor:
+    if torch.is_tensor(seed):
+        return seed.to(device=device, dtype=torch.int64)
+    values = [seed] if isinstance(seed, int) else list(seed)
+    return torch.tensor([to_signed64(int(s)) for s in values], dtype=torch.int64, device=device)
+
+
+def to_signed64(seed: int) -> int:
+    """A uint64 seed as the int64 with the same bits (torch has no usable uint64)."""
+    if not 0 <= seed < (1 << 64):
+        raise ValueError(f"seed={seed} is out of range; allowed: 0 <= seed < 2**64")
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise from float32 uniforms (consumed in place), clamped so it stays finite."""
+    return u.clamp_(U_MIN, U_MAX).log_().neg_().log_().neg_()
+
+
+def seeded_gumbel(
+    seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Float32 Gumbel noise [R, W] keyed by (seed [R], position [R], token id [W] or [R, W])."""
+    h = finish_hash(row_prefix_hash(seeds, positions), token_ids)
+    unsigned = h.to(torch.int64).bitwise_and_(_M32)
+    u = unsigned.to(torch.float32).div_(float(_M32))  # float32(0xFFFFFFFF) == 2^32
+    return gumbel_from_uniform(u)
