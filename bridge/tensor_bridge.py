@@ -25,138 +25,16 @@ from typing import Any
 
 import torch
 
-from bridge.bridge_state import (
-    BRIDGE_LOCK,
-    FENCE_NONE,
-    DeviceCapabilities,
-    capabilities,
-    count,
-    mlx_core,
-    run_fence,
+from bridge.bridge_state import BRIDGE_LOCK, count, mlx_core
+from bridge.crossing import (
+    as_device,
+    caps_for,
+    check_dtype,
+    export_all,
+    fence_once,
+    import_tensor,
+    stream_for,
 )
-
-# torch dtypes that cross losslessly (float64 only where the device supports it).
-_CROSSING_DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
-    torch.bool,
-    torch.complex64,
-)
-
-
-def _dtype_names() -> str:
-    return ", ".join(str(d).removeprefix("torch.") for d in _CROSSING_DTYPES)
-
-
-def _caps_for(device: torch.device, field: str) -> DeviceCapabilities:
-    table = capabilities()
-    caps = table.get(device.type)
-    if caps is not None:
-        return caps
-    allowed = ", ".join(sorted(table))
-    if device.type == "cuda":
-        why = "MLX cannot borrow torch CUDA memory ('CUDA import is not supported')"
-    elif device.type == "meta":
-        why = "meta tensors have no data to cross"
-    else:
-        why = "MLX has no backend for it on this machine"
-    raise ValueError(
-        f"{field}={device} cannot cross the MLX bridge: {why}; allowed values: {allowed}"
-    )
-
-
-def _as_device(device: str | torch.device, field: str) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{field}={device!r} is not a torch device ({exc})") from None
-
-
-def _check_dtype(dtype: torch.dtype, caps: DeviceCapabilities, field: str) -> None:
-    if dtype not in _CROSSING_DTYPES:
-        raise ValueError(
-            f"{field} has dtype {dtype}, which cannot cross the MLX bridge; allowed values: {_dtype_names()}"
-        )
-    if dtype == torch.float64 and not caps.supports_float64:
-        raise ValueError(
-            f"{field} has dtype torch.float64, which {caps.torch_device} does not support; "
-            "use float32 or keep the tensor on cpu"
-        )
-
-
-def _stream_for(mx, caps: DeviceCapabilities, dtype=None):
-    # float64 exists only on MLX's CPU stream, whatever the default device is.
-    if dtype is not None and dtype == mx.float64:
-        return mx.cpu
-    return mx.cpu if caps.mlx_device == "cpu" else mx.gpu
-
-
-def _import(t: torch.Tensor, caps: DeviceCapabilities, *, owned: bool, field: str):
-    """One torch tensor -> MLX array. Returns (array, is_zero_copy). Caller holds the lock."""
-    mx = mlx_core()
-    _check_dtype(t.dtype, caps, field)
-    source = t.detach()
-    if caps.import_zero_copy and not owned:
-        count(imports=1, zero_copy_imports=1)
-        return mx.asarray(source, copy=False), True
-    # mx.asarray silently narrows float64 to float32 unless the dtype is forced.
-    dtype = mx.float64 if source.dtype == torch.float64 else None
-    with mx.stream(_stream_for(mx, caps, dtype)):
-        array = mx.asarray(source, dtype=dtype, copy=True)
-    count(imports=1, copies=1, bytes_copied=source.numel() * source.element_size())
-    return array, False
-
-
-def _has_negative_stride(array) -> bool:
-    # Needs an evaluated array; reading the buffer strides costs well under a microsecond.
-    return any(s < 0 for s in memoryview(array).strides)
-
-
-def _export(array, target: torch.device, caps: DeviceCapabilities) -> torch.Tensor:
-    """Evaluated, non-negative-stride MLX array -> torch tensor on `target`."""
-    out = torch.from_dlpack(array, device=target)
-    if out.device.type != target.type:
-        out = out.to(target)
-        count(copies=1, bytes_copied=out.numel() * out.element_size(), exports=1)
-        return out
-    if caps.export_zero_copy:
-        count(exports=1, zero_copy_exports=1)
-    else:
-        count(exports=1, copies=1, bytes_copied=out.numel() * out.element_size())
-    return out
-
-
-def _export_all(arrays: list, target: torch.device, caps: DeviceCapabilities) -> list[torch.Tensor]:
-    """ONE eval for every output, one extra pass only for negative-stride outputs, then export."""
-    mx = mlx_core()
-    for i, array in enumerate(arrays):
-        if not isinstance(array, mx.array):
-            raise TypeError(f"MLX op output {i} is {type(array).__name__}; expected mlx.core.array")
-        if array.dtype == mx.float64 and not caps.supports_float64:
-            raise ValueError(
-                f"MLX op output {i} is float64, which target device {target} does not support"
-            )
-    mx.eval(*arrays)
-    count(evals=1)
-    flipped = [i for i, a in enumerate(arrays) if _has_negative_stride(a)]
-    if flipped:
-        with mx.stream(_stream_for(mx, caps)):
-            fixed = {i: mx.contiguous(arrays[i]) for i in flipped}
-        mx.eval(*fixed.values())
-        count(evals=1, materializations=len(fixed), copies=len(fixed))
-        count(bytes_copied=sum(a.nbytes for a in fixed.values()))
-        arrays = [fixed.get(i, a) for i, a in enumerate(arrays)]
-    return [_export(a, target, caps) for a in arrays]
 
 
 class MlxTensorView:
@@ -192,13 +70,6 @@ class MlxTensorView:
         return f"MlxTensorView(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}, {mode})"
 
 
-def _fence_once(devices: list[torch.device]) -> None:
-    kinds = {_caps_for(d, "device").fence for d in devices} - {FENCE_NONE}
-    for kind in sorted(kinds):  # one kind (mps) exists today: one fence per crossing
-        run_fence(kind)
-        count(fences=1)
-
-
 def borrow_torch_tensors(
     *tensors: torch.Tensor, synchronize: bool = True
 ) -> tuple[MlxTensorView, ...]:
@@ -211,13 +82,13 @@ def borrow_torch_tensors(
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tensors[{i}] is {type(t).__name__}; expected torch.Tensor")
-            _check_dtype(t.dtype, _caps_for(t.device, f"tensors[{i}].device"), f"tensors[{i}]")
+            check_dtype(t.dtype, caps_for(t.device, f"tensors[{i}].device"), f"tensors[{i}]")
         if synchronize:
-            _fence_once([t.device for t in tensors])
+            fence_once([t.device for t in tensors])
         views = []
         for i, t in enumerate(tensors):
-            array, zero_copy = _import(
-                t, _caps_for(t.device, "device"), owned=False, field=f"tensors[{i}]"
+            array, zero_copy = import_tensor(
+                t, caps_for(t.device, "device"), owned=False, field=f"tensors[{i}]"
             )
             views.append(MlxTensorView(t.detach(), array, zero_copy))
         return tuple(views)
@@ -228,10 +99,10 @@ def torch_to_mlx(t: torch.Tensor):
     with BRIDGE_LOCK:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"t is {type(t).__name__}; expected torch.Tensor")
-        caps = _caps_for(t.device, "t.device")
-        _check_dtype(t.dtype, caps, "t")
-        _fence_once([t.device])
-        array, _ = _import(t, caps, owned=True, field="t")
+        caps = caps_for(t.device, "t.device")
+        check_dtype(t.dtype, caps, "t")
+        fence_once([t.device])
+        array, _ = import_tensor(t, caps, owned=True, field="t")
         mlx_core().eval(array)
         count(evals=1)
         return array
@@ -243,9 +114,9 @@ def mlx_to_torch(array, device: str | torch.device = "cpu") -> torch.Tensor:
     A CPU target shares MLX's storage. Negative-stride arrays are materialised first.
     """
     with BRIDGE_LOCK:
-        target = _as_device(device, "device")
-        caps = _caps_for(target, "device")
-        return _export_all([array], target, caps)[0]
+        target = as_device(device, "device")
+        caps = caps_for(target, "device")
+        return export_all([array], target, caps)[0]
 
 
 def _tensor_of(value) -> torch.Tensor | None:
@@ -260,32 +131,32 @@ def _run(op: Callable, args: tuple, kwargs: dict, device, multi: bool) -> list[t
     mx = mlx_core()
     with BRIDGE_LOCK:
         # Every check comes before the fence: bad input costs no device work.
-        target = None if device is None else _as_device(device, "device")
-        target_caps = None if target is None else _caps_for(target, "device")
+        target = None if device is None else as_device(device, "device")
+        target_caps = None if target is None else caps_for(target, "device")
         named = [(f"args[{i}]", a) for i, a in enumerate(args)]
         named += [(f"{k}", v) for k, v in kwargs.items()]
         inputs = [(name, _tensor_of(v)) for name, v in named if _tensor_of(v) is not None]
         for name, t in inputs:
-            _check_dtype(t.dtype, _caps_for(t.device, f"{name}.device"), name)
+            check_dtype(t.dtype, caps_for(t.device, f"{name}.device"), name)
         if target is None:  # default: the first tensor's device, cpu when there is none
             target = inputs[0][1].device if inputs else torch.device("cpu")
-            target_caps = _caps_for(target, "device")
-        _fence_once([t.device for _, t in inputs])
+            target_caps = caps_for(target, "device")
+        fence_once([t.device for _, t in inputs])
         borrowed: list = []  # kept alive until every output is exported
 
         def to_mlx(name, value):
             if isinstance(value, MlxTensorView):
                 return value.array
             if isinstance(value, torch.Tensor):
-                caps = _caps_for(value.device, "device")
-                array, _ = _import(value, caps, owned=False, field=name)
+                caps = caps_for(value.device, "device")
+                array, _ = import_tensor(value, caps, owned=False, field=name)
                 borrowed.append((value, array))
                 return array
             return value
 
         mx_args = [to_mlx(name, a) for name, a in named[: len(args)]]
         mx_kwargs = {k: to_mlx(k, v) for k, v in kwargs.items()}
-        with mx.stream(_stream_for(mx, target_caps)):
+        with mx.stream(stream_for(mx, target_caps)):
             result = op(*mx_args, **mx_kwargs)
         if multi:
             if not isinstance(result, (tuple, list)) or not result:
@@ -299,7 +170,7 @@ def _run(op: Callable, args: tuple, kwargs: dict, device, multi: bool) -> list[t
                     f"mlx_call op must return an mlx.core.array; got {type(result).__name__}"
                 )
             outputs = [result]
-        exported = _export_all(outputs, target, target_caps)
+        exported = export_all(outputs, target, target_caps)
         borrowed.clear()  # inputs may be released only now, after export
         return exported
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import bridge
-from bridge import bridge_state, tensor_bridge
+from bridge import bridge_state, crossing
 
 mx = pytest.importorskip("mlx.core")
 
@@ -59,9 +59,7 @@ def test_mlx_call_multi_one_fence_one_eval_in_order(monkeypatch):
     """Fence before the op, ONE eval after it covering all outputs, then export."""
     events: list[str] = []
     faked = {
-        "cpu": tensor_bridge.DeviceCapabilities(
-            "cpu", "cpu", False, True, bridge_state.FENCE_MPS, True
-        )
+        "cpu": bridge.DeviceCapabilities("cpu", "cpu", False, True, bridge_state.FENCE_MPS, True)
     }
     bridge_state.set_capabilities(faked)
     monkeypatch.setattr(torch.mps, "synchronize", lambda: events.append("fence"))
@@ -76,10 +74,10 @@ def test_mlx_call_multi_one_fence_one_eval_in_order(monkeypatch):
             events.append(f"eval:{len(arrays)}")
             return real_eval(*arrays)
 
-    monkeypatch.setattr(tensor_bridge, "mlx_core", lambda: _Mx())
-    real_export = tensor_bridge._export
+    monkeypatch.setattr(crossing, "mlx_core", lambda: _Mx())
+    real_export = crossing.export_array
     monkeypatch.setattr(
-        tensor_bridge, "_export", lambda *a: (events.append("export"), real_export(*a))[1]
+        crossing, "export_array", lambda *a: (events.append("export"), real_export(*a))[1]
     )
 
     def op(a, b, c):
@@ -121,7 +119,7 @@ def test_invalid_target_fails_before_any_work(device):
 
 def test_meta_input_fails_before_fence_and_names_the_argument(monkeypatch):
     fences = []
-    monkeypatch.setattr(tensor_bridge, "run_fence", lambda kind: fences.append(kind))
+    monkeypatch.setattr(crossing, "run_fence", lambda kind: fences.append(kind))
     with pytest.raises(ValueError, match=r"args\[1\]\.device=meta"):
         bridge.mlx_call(lambda a, b: a, torch.ones(2), torch.ones(2, device="meta"))
     assert fences == [] and bridge.stats() == bridge.BridgeStats()
