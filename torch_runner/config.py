@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:

@@ -1,0 +1,178 @@
+"""KV cache contracts against a brute-force full-history reference.
+
+- WindowedKVCache returns exactly the trailing slice of the full history (arrays), its mask
+  width equals its key count, capacity stays window + max(chunk, window) and shrinks back after
+  a large chunk, and attention over it equals attention over the whole history;
+- the paged pool views return every row's history through its block table (mixed lengths,
+  padded chunks) and the batched windowed view matches per-row attention.
+"""
+
+import random
+
+import pytest
+import torch
+
+from ops.attention import attention
+from torch_runner.kv_cache import (
+    PagedKVPool,
+    PagedLayerView,
+    PagedStepMeta,
+    WindowedBatchView,
+    WindowedKVCache,
+)
+
+H_KV, H_Q, D = 2, 4, 8
+
+
+def _brute_attention(q, k, v, q_pos, k_pos, window):
+    """float64 softmax attention over explicit positions; q [Hq, N, D], k/v [Hkv, S, D]."""
+    q, k, v = q.double(), k.double(), v.double()
+    k = k.repeat_interleave(H_Q // H_KV, dim=0)
+    v = v.repeat_interleave(H_Q // H_KV, dim=0)
+    scores = q @ k.transpose(-1, -2) * D**-0.5  # [Hq, N, S]
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v  # [Hq, N, D]
+
+
+@pytest.mark.parametrize("window", [1, 4, 7])
+def test_windowed_cache_equals_trailing_slice_of_full_history(window):
+    rng = random.Random(window)
+    torch.manual_seed(window)
+    cache = WindowedKVCache(window)
+    full_k = torch.empty(1, H_KV, 0, D)
+    full_v = torch.empty(1, H_KV, 0, D)
+    chunks = [rng.choice([1, 1, 1, 2, 3, window, 3 * window + 1]) for _ in range(60)]
+    for s in chunks:
+        k, v = torch.randn(1, H_KV, s, D), torch.randn(1, H_KV, s, D)
+        before = cache.offset
+        full_k, full_v = torch.cat([full_k, k], 2), torch.cat([full_v, v], 2)
+        keys, values, layout = cache.update_and_fetch(k, v)
+        first = int(layout.k_offsets[0])
+        assert cache.offset == full_k.shape[2]  # absolute offset
+        assert int(layout.kv_lens[0]) == keys.shape[2]  # mask width == returned key length
+        assert first <= max(0, before - (window - 1))  # the first query still sees its window
+        torch.testing.assert_close(keys, full_k[:, :, first:], rtol=0, atol=0)
+        torch.testing.assert_close(values, full_v[:, :, first:], rtol=0, atol=0)
+        assert cache.capacity <= window + max(s, window)
+    # after a large chunk, the next decode shrinks the buffer back to 2 * window
+    cache.update_and_fetch(torch.randn(1, H_KV, 5 * window, D), torch.randn(1, H_KV, 5 * window, D))
+    assert cache.capacity == 6 * window
+    cache.update_and_fetch(torch.randn(1, H_KV, 1, D), torch.randn(1, H_KV, 1, D))
+    assert cache.capacity == 2 * window
+
+
+def test_windowed_decode_appends_in_place_with_amortised_compaction():
+    window = 16
+    cache = WindowedKVCache(window)
+    cache.update_and_fetch(torch.randn(1, H_KV, 3, D), torch.randn(1, H_KV, 3, D))
+    reallocations, buffer = 0, cache.keys
+    for _ in range(10 * window):
+        cache.update_and_fetch(torch.randn(1, H_KV, 1, D), torch.randn(1, H_KV, 1, D))
+        if cache.keys is not buffer:
+            reallocations, buffer = reallocations + 1, cache.keys
+    assert reallocations <= 10 * window // window + 1  # one compaction per `window` tokens
+
+
+def test_windowed_attention_equals_full_history_attention():
+    torch.manual_seed(0)
+    window = 5
+    cache = WindowedKVCache(window)
+    full_k, full_v = torch.empty(1, H_KV, 0, D), torch.empty(1, H_KV, 0, D)
+    for s in [7, 1, 1, 3, 12, 1, 1, 1, 2, 1]:
+        q = torch.randn(1, H_Q, s, D)
+        k, v = torch.randn(1, H_KV, s, D), torch.randn(1, H_KV, s, D)
+        pos = torch.arange(cache.offset, cache.offset + s)
+        full_k, full_v = torch.cat([full_k, k], 2), torch.cat([full_v, v], 2)
+        keys, values, layout = cache.update_and_fetch(k, v)
+        got = attention(q, keys, values, pos[None], layout, sm_scale=D**-0.5, window=window)
+        want = _brute_attention(
+            q[0], full_k[0], full_v[0], pos, torch.arange(full_k.shape[2]), window
+        )
+        torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_snapshot_restores_an_equivalent_window():
+    torch.manual_seed(1)
+    window = 4
+    cache = WindowedKVCache(window)
+    full_k = torch.randn(1, H_KV, 13, D)
+    full_v = torch.randn(1, H_KV, 13, D)
+    cache.update_and_fetch(full_k[:, :, :8], full_v[:, :, :8])
+    cache.update_and_fetch(full_k[:, :, 8:13], full_v[:, :, 8:13])
+    snap = cache.snapshot(12)
+    assert snap is not None
+    torch.testing.assert_close(snap[0], full_k[:, :, 8:12], rtol=0, atol=0)
+    assert cache.snapshot(2) is None  # no longer held
+    restored = WindowedKVCache.restore(window, *snap, offset=12)
+    keys, _, layout = restored.update_and_fetch(full_k[:, :, 12:13], full_v[:, :, 12:13])
+    assert int(layout.k_offsets[0]) == 8
+    torch.testing.assert_close(keys, full_k[:, :, 8:13], rtol=0, atol=0)
+
+
+def test_paged_view_returns_each_rows_history_and_matches_brute_attention():
+    torch.manual_seed(2)
+    bs, num_blocks = 4, 32
+    pool = PagedKVPool(2, num_blocks, bs, H_KV, D, torch.float32, "cpu")
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)
+    lengths = [(0, 9), (5, 1), (13, 3), (2, 1)]  # (cached, new) per row: mixed prefill + decode
+    histories, tables = [], []
+    for cached, new in lengths:
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // bs))]
+        hist_k, hist_v = torch.randn(H_KV, total, D), torch.randn(H_KV, total, D)
+        for p in range(cached):  # pre-fill the cached part through the slot formula
+            slot = table[p // bs] * bs + p % bs
+            pool.k[1, slot], pool.v[1, slot] = hist_k[:, p], hist_v[:, p]
+        histories.append((hist_k, hist_v))
+        tables.append(table)
+    n = max(new for _, new in lengths)
+    k = torch.zeros(len(lengths), H_KV, n, D)
+    v = torch.zeros(len(lengths), H_KV, n, D)
+    q = torch.randn(len(lengths), H_Q, n, D)
+    positions = torch.zeros(len(lengths), n, dtype=torch.int64)
+    for i, ((cached, new), (hk, hv)) in enumerate(zip(lengths, histories)):
+        k[i, :, :new], v[i, :, :new] = hk[:, cached:], hv[:, cached:]
+        positions[i] = torch.arange(cached, cached + n)
+    meta = PagedStepMeta(tables, [c for c, _ in lengths], [m for _, m in lengths], bs, "cpu")
+    keys, values, layout = PagedLayerView(pool, 1, meta).update_and_fetch(k, v)
+    out = attention(q, keys, values, positions, layout, sm_scale=D**-0.5)
+    for i, ((cached, new), (hk, hv)) in enumerate(zip(lengths, histories)):
+        total = cached + new
+        assert int(layout.kv_lens[i]) == total
+        torch.testing.assert_close(keys[i, :, :total], hk, rtol=0, atol=0)
+        torch.testing.assert_close(values[i, :, :total], hv, rtol=0, atol=0)
+        want = _brute_attention(
+            q[i, :, :new], hk, hv, positions[i, :new], torch.arange(total), None
+        )
+        torch.testing.assert_close(out[i, :, :new].double(), want, rtol=1e-5, atol=1e-5)
+    assert pool.k[0].abs().sum() == 0  # another layer's storage is untouched
+
+
+def test_windowed_batch_view_matches_per_row_attention():
+    torch.manual_seed(3)
+    window = 3
+    rows = [WindowedKVCache(window) for _ in range(3)]
+    fulls = []
+    for cache, s in zip(rows, [7, 2, 4]):
+        hk, hv = torch.randn(1, H_KV, s, D), torch.randn(1, H_KV, s, D)
+        cache.update_and_fetch(hk, hv)
+        fulls.append((hk, hv))
+    num_new = [1, 3, 2]
+    n = max(num_new)
+    k, v, q = torch.randn(3, H_KV, n, D), torch.randn(3, H_KV, n, D), torch.randn(3, H_Q, n, D)
+    positions = torch.stack([torch.arange(c.offset, c.offset + n) for c in rows])
+    layouts: dict = {}
+    keys, values, layout = WindowedBatchView(rows, num_new, layouts).update_and_fetch(k, v)
+    assert keys.shape[2] == int(layout.kv_lens.max())
+    out = attention(q, keys, values, positions, layout, sm_scale=D**-0.5, window=window)
+    for i, ((hk, hv), m) in enumerate(zip(fulls, num_new)):
+        fk = torch.cat([hk[0], k[i, :, :m]], 1)
+        fv = torch.cat([hv[0], v[i, :, :m]], 1)
+        want = _brute_attention(
+            q[i, :, :m], fk, fv, positions[i, :m], torch.arange(fk.shape[1]), window
+        )
+        torch.testing.assert_close(out[i, :, :m].double(), want, rtol=1e-5, atol=1e-5)

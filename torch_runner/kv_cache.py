@@ -1,0 +1,238 @@
+"""KV caches for one step: a shared paged pool for full-attention layers, a per-request window
+for sliding-window (SWA) layers, both behind one protocol the models call:
+
+    update_and_fetch(k [B, Hkv, N, D], v) -> (keys [B, Hkv, S, D], values, KeyLayout)
+
+Why two kinds: a full-attention layer needs every past token, so its KV lives in fixed-size
+blocks of a pool shared by all requests (prefix sharing, no fragmentation). An SWA layer only
+ever reads the last `window` tokens, so it keeps a small per-request buffer of capacity
+`window + max(chunk, window)` and never takes pool memory: decode appends in place, a full
+buffer is compacted to its trailing window (amortised O(1) per token), `offset` stays absolute
+(RoPE positions and scheduling do not change) and the returned key count always equals the
+mask width, because the layout says where key 0 sits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.args import SLIDING_ATTENTION
+from ops.attention import KeyLayout
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Which layers are full attention (pool) and which are sliding (windowed)."""
+
+    layer_types: tuple[str, ...]
+    window: int | None
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t != SLIDING_ATTENTION)
+
+    @property
+    def swa_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING_ATTENTION)
+
+    @property
+    def has_swa(self) -> bool:
+        return bool(self.swa_layers)
+
+
+class WindowedKVCache:
+    """One request's keys/values for one sliding-window layer (see the module docstring)."""
+
+    __slots__ = ("keys", "values", "offset", "window", "_local")
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window={window} is invalid; expected >= 1")
+        self.window = window
+        self.keys: torch.Tensor | None = None  # [B, Hkv, capacity, D]
+        self.values: torch.Tensor | None = None
+        self.offset = 0  # absolute position of the next token
+        self._local = 0  # tokens held in the buffer
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def num_held(self) -> int:
+        return self._local
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
+        """Write a chunk [B, Hkv, S, D] in place; returns the buffer range (start, end) it sees."""
+        s = keys.shape[2]
+        kept = min(self._local, self.window)
+        capacity = self.window + max(s, self.window)
+        held = self.capacity
+        if self._local + s > held or held > capacity:
+            # compact the trailing window into a right-sized buffer: first write, a full buffer
+            # (amortised O(1) per decode token), or shrinking back after a large prefill chunk
+            b, h, _, d = keys.shape
+            new_k = keys.new_empty((b, h, capacity, d))
+            new_v = values.new_empty((b, h, capacity, d))
+            if kept:
+                new_k[:, :, :kept] = self.keys[:, :, self._local - kept : self._local]
+                new_v[:, :, :kept] = self.values[:, :, self._local - kept : self._local]
+            self.keys, self.values, self._local = new_k, new_v, kept
+        start, end = self._local - kept, self._local + s
+        self.keys[:, :, self._local : end] = keys
+        self.values[:, :, self._local : end] = values
+        self._local = end
+        self.offset += s
+        return start, end
+
+    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor):
+        start, end = self.append(keys, values)
+        b = keys.shape[0]
+        first = self.offset - (end - start)  # absolute position of the first returned key
+        layout = KeyLayout(
+            torch.full((b,), first, dtype=torch.int64, device=keys.device),
+            torch.full((b,), end - start, dtype=torch.int64, device=keys.device),
+            is_causal_tail=True,
+        )
+        return self.keys[:, :, start:end], self.values[:, :, start:end], layout
+
+    def snapshot(self, end_position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Copies of the last `window` keys/values before `end_position`, or None if not held."""
+        want = min(self.window, end_position)
+        first_held = self.offset - self._local
+        if end_position > self.offset or end_position - want < first_held:
+            return None
+        hi = self._local - (self.offset - end_position)
+        return self.keys[:, :, hi - want : hi].clone(), self.values[:, :, hi - want : hi].clone()
+
+    @classmethod
+    def restore(
+        cls, window: int, keys: torch.Tensor, values: torch.Tensor, offset: int
+    ) -> WindowedKVCache:
+        """A cache whose history ends at `offset` with `keys` [B, Hkv, <=window, D] as its tail."""
+        cache = cls(window)
+        held = keys.shape[2]
+        capacity = window + window
+        b, h, _, d = keys.shape
+        cache.keys = keys.new_empty((b, h, capacity, d))
+        cache.values = values.new_empty((b, h, capacity, d))
+        cache.keys[:, :, :held] = keys
+        cache.values[:, :, :held] = values
+        cache._local, cache.offset = held, offset
+        return cache
+
+
+class PagedKVPool:
+    """Device storage of the full-attention layers: per layer [num_slots, Hkv, D] for K and V.
+
+    slot = block_id * block_size + offset-in-block; the BlockManager hands out block ids.
+    """
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class PagedStepMeta:
+    """Slot indices of one forward over B rows, shared by every full-attention layer.
+
+    starts[i]: tokens of row i already cached; num_new[i]: its new tokens this forward (the
+    input is padded to N = max(num_new)). Builds the write slots for the new tokens and the
+    gather slots of every row's keys (padded to S = max(starts + num_new)) once.
+    """
+
+    def __init__(self, block_tables, starts, num_new, block_size, device) -> None:
+        n = max(num_new)
+        kv_lens = [s + m for s, m in zip(starts, num_new)]
+        s_max = max(kv_lens)
+        write_rows, write_slots, gather = [], [], []
+        for i, (table, start, count) in enumerate(zip(block_tables, starts, num_new)):
+            for p in range(start, start + count):
+                write_rows.append(i * n + p - start)
+                write_slots.append(table[p // block_size] * block_size + p % block_size)
+            length = kv_lens[i]
+            row = [table[p // block_size] * block_size + p % block_size for p in range(length)]
+            gather.extend(row + [0] * (s_max - length))
+        self.shape = (len(block_tables), n, s_max)
+        self.is_dense = len(write_rows) == len(block_tables) * n  # no padded query tokens
+        as_long = dict(dtype=torch.int64, device=device)
+        self.write_rows = torch.tensor(write_rows, **as_long)
+        self.write_slots = torch.tensor(write_slots, **as_long)
+        self.gather_slots = torch.tensor(gather, **as_long)  # [B * S]
+        is_tail = len(set(kv_lens)) == 1 and len(set(num_new)) == 1
+        self.layout = KeyLayout.contiguous(torch.tensor(kv_lens, **as_long), is_causal_tail=is_tail)
+
+
+class PagedLayerView:
+    """One full-attention layer's cache for one forward: writes the new KV, gathers the keys."""
+
+    __slots__ = ("pool", "layer", "meta")
+
+    def __init__(self, pool: PagedKVPool, layer: int, meta: PagedStepMeta) -> None:
+        self.pool, self.layer, self.meta = pool, layer, meta
+
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
+        meta = self.meta
+        b, h, n, d = k.shape
+        k_new = k.transpose(1, 2).reshape(b * n, h, d)  # [B * N, Hkv, D]
+        v_new = v.transpose(1, 2).reshape(b * n, h, d)
+        if not meta.is_dense:
+            k_new, v_new = k_new[meta.write_rows], v_new[meta.write_rows]
+        pool_k, pool_v = self.pool.k[self.layer], self.pool.v[self.layer]  # [slots, Hkv, D]
+        pool_k.index_copy_(0, meta.write_slots, k_new)
+        pool_v.index_copy_(0, meta.write_slots, v_new)
+        s = meta.shape[2]
+        keys = pool_k.index_select(0, meta.gather_slots).view(b, s, h, d).transpose(1, 2)
+        values = pool_v.index_select(0, meta.gather_slots).view(b, s, h, d).transpose(1, 2)
+        return keys, values, meta.layout  # [B, Hkv, S, D]
+
+
+class WindowedBatchView:
+    """One SWA layer's caches for one forward over B rows (each row its own WindowedKVCache)."""
+
+    __slots__ = ("caches", "num_new", "layouts")
+
+    def __init__(self, caches: list[WindowedKVCache], num_new: list[int], layouts: dict) -> None:
+        self.caches, self.num_new, self.layouts = caches, num_new, layouts
+
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
+        if len(self.caches) == 1 and k.shape[2] == self.num_new[0]:
+            return self.caches[0].update_and_fetch(k, v)
+        spans = []
+        for i, (cache, count) in enumerate(zip(self.caches, self.num_new)):
+            start, end = cache.append(k[i : i + 1, :, :count], v[i : i + 1, :, :count])
+            spans.append((start, end, cache.offset - (end - start)))
+        s_max = max(end - start for start, end, _ in spans)
+        b, h, _, d = k.shape
+        keys = k.new_zeros((b, h, s_max, d))  # [B, Hkv, S, D]
+        values = v.new_zeros((b, h, s_max, d))
+        for i, (cache, (start, end, _)) in enumerate(zip(self.caches, spans)):
+            keys[i, :, : end - start] = cache.keys[0, :, start:end]
+            values[i, :, : end - start] = cache.values[0, :, start:end]
+        signature = tuple(spans)
+        layout = self.layouts.get(signature)  # every SWA layer of the step shares one layout
+        if layout is None:
+            as_long = dict(dtype=torch.int64, device=k.device)
+            layout = KeyLayout(
+                torch.tensor([first for _, _, first in spans], **as_long),
+                torch.tensor([end - start for start, end, _ in spans], **as_long),
+            )
+            self.layouts[signature] = layout
+        return keys, values, layout
