@@ -1,0 +1,177 @@
+"""Decoder building blocks shared by the model families.
+
+Every family in this package is a pre-norm decoder: embed -> N x (norm, attention, residual,
+norm, MLP/MoE, residual) -> norm -> lm_head. The families differ only in small switches
+(projection biases, q/k norm, sinks, windows, the MLP kind), so the blocks live here once and
+each family file composes them. All math goes through `ops` (attention, rms_norm, rope, moe),
+so an MLX backend chosen at start-up applies to every model without touching this code.
+
+Parameter names are Hugging Face's (`model.layers.3.self_attn.q_proj.weight`), so a checkpoint
+loads by name with no renaming table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ops
+from models.args import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """Holds inv_freq (built on CPU even when the model is built on `meta`, a non-persistent buffer)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        with torch.device("cpu"):
+            inv_freq, self.attention_scaling = ops.rope_init(args)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D_rot / 2] fp32
+
+    def forward(self, q, k, positions):
+        return ops.apply_rope(q, k, positions, self.inv_freq, self.attention_scaling)
+
+
+class Attention(nn.Module):
+    """GQA self-attention over explicit positions; optional q/k norm, sinks and window."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        layer_idx: int,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool = False,
+        sinks: bool = False,
+    ):
+        super().__init__()
+        self.num_heads = args.num_attention_heads
+        self.num_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        self.window = args.layer_window(layer_idx)
+        hidden, q_size, kv_size = (
+            args.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        self.q_proj = nn.Linear(hidden, q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache
+    ) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)  # [B, N, Hq, D]
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)  # [B, N, Hkv, D]
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, N, D]
+        q, k = rotary(q, k, positions)
+        layout = None
+        if cache is not None:
+            k, v, layout = cache.update_and_fetch(k, v)  # [B, Hkv, S, D]
+        out = ops.attention(
+            q, k, v, positions, layout, sm_scale=self.scale, sinks=self.sinks, window=self.window
+        )  # [B, Hq, N, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): the Llama/Qwen SwiGLU feed-forward."""
+
+    def __init__(self, hidden: int, intermediate: int, *, bias: bool = False, act: str = "silu"):
+        super().__init__()
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported; allowed values: silu")
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, self_attn: Attention, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, cache):
+        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm (and the rotary tables)."""
+
+    def __init__(self, args: ModelArgs, make_layer: Callable[[ModelArgs, int], nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(make_layer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = Rotary(args)
+
+    def forward(self, input_ids, positions, caches):
+        h = self.embed_tokens(input_ids)  # [B, N, H]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, self.rotary, None if caches is None else caches[i])
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    """The model protocol the runner codes against: forward -> hidden, compute_logits -> logits."""
+
+    def __init__(self, args: ModelArgs, make_layer: Callable[[ModelArgs, int], nn.Module]):
+        super().__init__()
+        self.args = args
+        self.model = DecoderModel(args, make_layer)
+        # tied checkpoints have no lm_head tensor: logits reuse the embedding matrix
+        self.lm_head = (
+            None
+            if args.tie_word_embeddings
+            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions [B, N] int64; caches: one per layer or None -> hidden [B, N, H]."""
+        if input_ids.shape != positions.shape or input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids and positions must both be [B, N]; got {tuple(input_ids.shape)} "
+                f"and {tuple(positions.shape)}"
+            )
+        if caches is not None and len(caches) != len(self.model.layers):
+            raise ValueError(
+                f"caches must hold one cache per layer ({len(self.model.layers)}); got {len(caches)}"
+            )
+        return self.model(input_ids, positions, caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] (only for the rows the runner samples)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,234 @@
+"""Load a Hugging Face model folder into a family `Model`, failing early with a clear message.
+
+Order matters: every check that can fail (path, config.json, model_type, required fields,
+checkpoint files, tensor names and shapes) runs before a single weight is copied, so a broken
+folder is reported in one line before the server starts. The model is built on the `meta`
+device (no memory, no init), then filled with `load_state_dict(..., assign=True)` from
+memory-mapped safetensors: on CPU in the checkpoint dtype the parameters *are* the mapped file
+pages, and nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bridge import resolve_device
+from models import safetensors_io
+from models.errors import ModelLoadError
+from models.registry import get_family
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALLOWED_DTYPES = ("auto", *DTYPES)
+LOAD_FORMATS = ("safetensors", "dummy")
+DUMMY_STD = 0.02
+DUMMY_SEED = 0
+# tensors some checkpoints carry that are recomputed here, never loaded
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    """A ready model plus what the engine needs around it (tokenizer files live at `path`)."""
+
+    model: torch.nn.Module
+    args: Any
+    hf_config: Any
+    path: Path
+    eos_token_ids: list[int] = field(default_factory=list)
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: str | torch.device,
+    dtype: str = "auto",
+    load_format: str = "safetensors",
+) -> LoadedModel:
+    """Load the HF folder at `path` onto `device`.
+
+    dtype: "auto" (config `dtype`/`torch_dtype`, else the checkpoint's), "float32", "bfloat16",
+    "float16". load_format: "safetensors", or "dummy" for seeded random weights built from the
+    config alone (benchmarking a geometry without its checkpoint). Raises ModelLoadError.
+    """
+    if dtype not in ALLOWED_DTYPES:
+        raise ModelLoadError(
+            f"dtype={dtype!r} is not supported; allowed values: {', '.join(ALLOWED_DTYPES)}"
+        )
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(
+            f"load_format={load_format!r} is not supported; allowed values: {', '.join(LOAD_FORMATS)}"
+        )
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist or is not a directory")
+    raw = read_config(path)
+    family = get_family(raw["model_type"])
+    hf_config = _hf_config(path)
+    aliases = getattr(type(hf_config), "attribute_map", {})
+    present = (
+        set(raw)
+        | {aliases[k] for k in raw if k in aliases}
+        | {k for k, v in aliases.items() if v in raw}
+    )
+    missing = [name for name in family.ModelArgs.REQUIRED_FIELDS if name not in present]
+    if missing:
+        raise ModelLoadError(
+            f"{path / 'config.json'} is missing required field(s): {', '.join(missing)}"
+        )
+    try:
+        args = family.ModelArgs.from_hf_config(hf_config)
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
+    files = safetensors_io.checkpoint_files(path) if load_format == "safetensors" else []
+    target_dtype = resolve_dtype(dtype, raw, files)
+    torch_device = resolve_device(device)
+
+    with torch.device("meta"):
+        model = family.Model(args)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if load_format == "dummy":
+        weights = dummy_weights(expected, target_dtype, torch_device)
+    else:
+        weights = _checkpoint_weights(family, args, files, path)
+        check_weights(expected, weights)
+    state = {}
+    for name, tensor in tqdm(
+        weights.items(), desc=f"Loading {path.name}", unit="tensor", disable=None
+    ):
+        is_float = tensor.is_floating_point()
+        state[name] = tensor.to(
+            device=torch_device, dtype=target_dtype if is_float else tensor.dtype
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(torch_device)  # the non-persistent rope tables were built on CPU
+    model.eval().requires_grad_(False)
+    generation_config = read_generation_config(path)
+    logger.info(
+        "loaded %s (%s) from %s on %s as %s",
+        raw["model_type"],
+        load_format,
+        path,
+        torch_device,
+        target_dtype,
+    )
+    return LoadedModel(
+        model=model,
+        args=args,
+        hf_config=hf_config,
+        path=path,
+        eos_token_ids=eos_token_ids(generation_config, raw),
+        generation_config=generation_config,
+    )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{path} has no config.json (is it a Hugging Face model folder?)")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{config_path} is not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_path} must hold a JSON object")
+    if "model_type" not in raw:
+        raise ModelLoadError(f"{config_path} is missing required field(s): model_type")
+    return raw
+
+
+def _hf_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, TypeError, KeyError, OSError) as exc:
+        raise ModelLoadError(
+            f"{path / 'config.json'}: transformers cannot parse it ({exc})"
+        ) from exc
+
+
+def resolve_dtype(dtype: str, raw: dict[str, Any], files: list[Path]) -> torch.dtype:
+    """'auto' = the config's dtype, else the checkpoint's first float tensor, else float32."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    declared = raw.get("dtype") or raw.get("torch_dtype")
+    if declared in DTYPES:
+        return DTYPES[declared]
+    found = safetensors_io.checkpoint_dtype(files) if files else None
+    return found if found in DTYPES.values() else torch.float32
+
+
+def _checkpoint_weights(family, args, files: list[Path], path: Path) -> dict[str, torch.Tensor]:
+    weights = safetensors_io.read_tensors(files)
+    weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
+    if args.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # some tied checkpoints still store the copy
+    try:
+        return family.sanitize(weights, args)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+
+
+def check_weights(expected: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor]) -> None:
+    """Every expected tensor present with its shape, nothing extra; errors name the tensor."""
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ModelLoadError(
+            f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
+        )
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise ModelLoadError(
+            f"checkpoint has {len(extra)} unexpected tensor(s): {', '.join(extra[:8])}"
+        )
+    for name, shape in expected.items():
+        found = tuple(weights[name].shape)
+        if found != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {found}; expected {shape}")
+
+
+def dummy_weights(
+    expected: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Seeded random weights: norms 1, biases 0, everything else N(0, 0.02)."""
+    generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
+    weights = {}
+    for name, shape in expected.items():
+        leaf = name.rsplit(".", 2)
+        if "norm" in leaf[-2] and leaf[-1] == "weight":
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith("bias"):
+            weights[name] = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            weights[name] = torch.empty(shape, dtype=dtype, device=device).normal_(
+                0, DUMMY_STD, generator=generator
+            )
+    return weights
+
+
+def read_generation_config(path: Path) -> dict[str, Any]:
+    gen_path = path / "generation_config.json"
+    if not gen_path.is_file():
+        return {}
+    try:
+        return json.loads(gen_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{gen_path} is not valid JSON ({exc})") from exc
+
+
+def eos_token_ids(generation_config: dict[str, Any], raw: dict[str, Any]) -> list[int]:
+    """EOS ids from generation_config.json, else config.json; an int or a list in either."""
+    value = generation_config.get("eos_token_id", raw.get("eos_token_id"))
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]

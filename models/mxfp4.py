@@ -1,0 +1,75 @@
+"""MXFP4 (OCP microscaling FP4) dequantisation for gpt-oss expert weights.
+
+Real gpt-oss checkpoints store each expert matrix as `<name>_blocks` [E, R, G, 16] uint8 (two
+FP4 E2M1 codes per byte, the LOW nibble holding the even element) and `<name>_scales` [E, R, G]
+uint8 (one shared exponent per 32-element group, value 2^(s - 127)). We dequantise once at load
+to the dense layout the model keeps: `[E, G*32, R]`, i.e. the checkpoint's row-major [R, C]
+matrix transposed, which is how transformers' GptOssExperts stores `gate_up_proj`/`down_proj`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# FP4 E2M1 code -> value: bit 3 is the sign, bits 0-2 index (0, 0.5, 1, 1.5, 2, 3, 4, 6).
+FP4_E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+SCALE_BIAS = 127
+ROWS_PER_CHUNK = 1 << 16  # bounds the int64 index temporaries on real 20B/120B checkpoints
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """[E, R, G, 16] uint8 blocks + [E, R, G] uint8 scales -> [E, G*32, R] in `dtype`."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks/scales must be uint8, found {blocks.dtype}/{scales.dtype}")
+    if blocks.dim() != 4 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
+            "(expected blocks [E, R, G, B] and scales [E, R, G])"
+        )
+    num_experts, num_rows, num_groups, group_bytes = blocks.shape
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    flat_blocks = blocks.reshape(-1, group_bytes)  # [E*R*G, 16]
+    flat_scales = scales.reshape(-1, 1).to(torch.int32) - SCALE_BIAS  # [E*R*G, 1]
+    out = torch.empty(flat_blocks.shape[0], group_bytes * 2, dtype=dtype)  # [E*R*G, 32]
+    for start in range(0, flat_blocks.shape[0], ROWS_PER_CHUNK):
+        stop = start + ROWS_PER_CHUNK
+        packed = flat_blocks[start:stop]
+        values = torch.empty(packed.shape[0], group_bytes * 2, dtype=torch.float32)
+        values[:, 0::2] = lut[(packed & 0x0F).long()]  # low nibble = even element
+        values[:, 1::2] = lut[(packed >> 4).long()]
+        out[start:stop] = torch.ldexp(values, flat_scales[start:stop].float()).to(dtype)
+    dense = out.view(num_experts, num_rows, num_groups * group_bytes * 2)  # [E, R, C]
+    return dense.transpose(1, 2).contiguous()  # [E, C, R]
+
+
+def dequantize_mxfp4_weights(
+    weights: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Replace every `<name>_blocks` / `<name>_scales` pair by the dense `<name>` tensor."""
+    out = dict(weights)
+    for key in [k for k in weights if k.endswith("_blocks")]:
+        base = key.removesuffix("_blocks")
+        scale_key = f"{base}_scales"
+        if scale_key not in weights:
+            raise ValueError(f"MXFP4 tensor {key!r} has no matching {scale_key!r}")
+        out[base] = dequantize_mxfp4(out.pop(key), out.pop(scale_key), dtype)
+    return out
