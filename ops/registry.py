@@ -36,8 +36,8 @@ OPS: dict[str, tuple[str, str]] = {
     "sampler": ("ops.sampling:sample", "ops.mlx.sampling:sample"),
     # diffusion ops: paths owned by the diffusion engineer (ops/diffusion/)
     "norm_infer": ("ops.diffusion.norm:norm_infer", "ops.diffusion.mlx:norm_infer"),
-    "modulate": ("ops.diffusion.modulate:modulate", "ops.diffusion.mlx:modulate"),
-    "dit_rope": ("ops.diffusion.rope:dit_rope", "ops.diffusion.mlx:dit_rope"),
+    "modulate": ("ops.diffusion.modulation:modulate", "ops.diffusion.mlx:modulate"),
+    "dit_rope": ("ops.diffusion.rotary:dit_rope", "ops.diffusion.mlx:dit_rope"),
 }
 
 # Public attribute on the `ops` package for each op (ops.sample dispatches "sampler").
