@@ -1,0 +1,107 @@
+"""CLI contract: complete --help, localhost default, MLX gate before anything touches the model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bridge.runtime import reset_cache
+from torch_runner.serve.cli import build_parser, main
+
+ISSUE_FLAGS = (
+    "--model", "--host", "--port", "--device", "--dtype", "--max-model-len", "--max-num-seqs",
+    "--max-total-tokens", "--mem-fraction", "--chunked-prefill-size", "--api-key",
+    "--served-model-name", "--random-seed", "--enable-deterministic-inference", "--log-level",
+    "--max-waiting", "--load-format", "--max-body-bytes",
+)  # fmt: skip
+MISSING_MODEL = "/nonexistent/model-folder-for-serve-tests"
+
+
+def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_RUNNER_")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "torch_runner.serve", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=120,
+    )
+
+
+def test_help_lists_every_flag_and_documents_mlx_toggles():
+    result = _serve("--help")
+    assert result.returncode == 0, result.stderr
+    for flag in ISSUE_FLAGS:
+        assert flag in result.stdout, flag
+    for env_name in ("TORCH_RUNNER_USE_MLX", "TORCH_RUNNER_MLX_OPS"):
+        assert env_name in result.stdout, env_name
+
+
+def test_binds_localhost_by_default():
+    args = build_parser().parse_args([])
+    assert args.host == "127.0.0.1"
+    assert args.model is None  # the embedded default model
+
+
+def test_defaults_follow_engine_config():
+    from torch_runner.config import EngineConfig
+
+    args = build_parser().parse_args([])
+    config = EngineConfig()
+    for name in (
+        "max_num_seqs",
+        "chunked_prefill_size",
+        "mem_fraction",
+        "max_waiting",
+        "random_seed",
+    ):
+        assert getattr(args, name) == getattr(config, name), name
+
+
+@pytest.fixture
+def run_main(monkeypatch, capsys):
+    """Call the CLI in-process with a clean MLX gate; returns (exit code, stderr)."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+        for name in [k for k in os.environ if k.startswith("TORCH_RUNNER_")]:
+            monkeypatch.delenv(name)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        reset_cache()
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                main(list(args))
+        finally:
+            reset_cache()
+        return exit_info.value.code, capsys.readouterr().err
+
+    return run
+
+
+def test_mlx_gate_rejects_bad_flag_before_model_is_resolved(run_main):
+    code, stderr = run_main("--model", MISSING_MODEL, env={"TORCH_RUNNER_USE_MLX": "maybe"})
+    assert code == 2
+    assert "TORCH_RUNNER_USE_MLX" in stderr
+    assert MISSING_MODEL not in stderr
+
+
+def test_mlx_gate_rejects_unusable_device_before_model_is_resolved(run_main):
+    # cuda is either absent here (resolve_device refuses) or present (MLX cannot borrow CUDA
+    # memory): both are gate errors, and neither may mention the model.
+    code, stderr = run_main(
+        "--model", MISSING_MODEL, "--device", "cuda", env={"TORCH_RUNNER_USE_MLX": "1"}
+    )
+    assert code == 2
+    assert "cuda" in stderr.lower()
+    assert MISSING_MODEL not in stderr
+
+
+def test_invalid_engine_flag_exits_naming_it(run_main):
+    code, stderr = run_main("--model", MISSING_MODEL, "--max-num-seqs", "0")
+    assert code == 2
+    assert "max_num_seqs" in stderr
+    assert MISSING_MODEL not in stderr

@@ -1,0 +1,80 @@
+"""The FastAPI application: routes, auth, body limit, metrics and error handlers.
+
+`create_app(state)` takes a ready `ServingState` (engine already started), so the app can be built
+around any engine in tests and by the CLI alike. Auth guards `/v1/*` only: `/health` and
+`/metrics` stay open for load balancers and scrapers, as in vLLM and SGLang.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from torch_runner.serve.chat import create_chat_completion
+from torch_runner.serve.completions import create_completion
+from torch_runner.serve.errors import install_error_handlers
+from torch_runner.serve.metrics import CONTENT_TYPE
+from torch_runner.serve.middleware import ApiKeyGuard, BodySizeLimit, RequestMetrics
+from torch_runner.serve.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from torch_runner.serve.state import ServingState
+
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def create_app(state: ServingState) -> FastAPI:
+    """Build the OpenAI-compatible app around a started engine."""
+    app = FastAPI(title="torch_runner", summary="OpenAI-compatible API over torch_runner's engine")
+    app.state.serving = state
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stats = state.engine_stats()
+        return JSONResponse(
+            {
+                "status": "ok",
+                "num_running": stats.get("num_running"),
+                "num_waiting": stats.get("num_waiting"),
+            }
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses=ERROR_RESPONSES,
+    )
+    async def completions(body: CompletionRequest, http: Request) -> Response:
+        return await create_completion(state, body, http)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses=ERROR_RESPONSES,
+    )
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
+        return await create_chat_completion(state, body, http)
+
+    # Last added runs first: metrics see every outcome, auth precedes reading the body.
+    app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
+    app.add_middleware(ApiKeyGuard, check=state.check_api_key)
+    app.add_middleware(
+        RequestMetrics, observe=state.metrics.observe_request, paths=GENERATION_PATHS
+    )
+    return app

@@ -1,0 +1,205 @@
+"""`python -m torch_runner.serve`: parse flags, gate MLX, start the engine, print one banner, serve.
+
+Order matters: the MLX runtime gate (`use_mlx()`, then `validate_device(resolve_device(...))`)
+runs before the model path is resolved or a weight is read, so a broken MLX install or an
+MLX-incompatible device fails in one line, in a second, not after loading a checkpoint.
+Every start-up error exits with status 2 and a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from bridge import MlxRuntimeError, resolve_device, use_mlx, validate_device
+from torch_runner.serve.state import DEFAULT_MAX_BODY_BYTES
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+EPILOG = """\
+environment:
+  TORCH_RUNNER_USE_MLX=1     route the default MLX op set (attention, rms_norm, sampler) through MLX.
+                             The MLX runtime and the device are validated before the model loads
+                             (stable torch 2.13.x, MLX >= 0.32.0; devices cpu or mps; never cuda).
+  TORCH_RUNNER_MLX_OPS=...   with TORCH_RUNNER_USE_MLX=1, choose the MLX ops: a comma list of op
+                             names (e.g. attention,rms_norm), 'all', 'none' or 'auto' (the ops
+                             measured faster through MLX on this platform). Ignored when MLX is off.
+  TORCH_RUNNER_CACHE_DIR     where the embedded default model is converted to safetensors.
+
+examples:
+  python -m torch_runner.serve                                   # embedded SmolLM2-135M-Instruct
+  python -m torch_runner.serve --model ./Qwen3-0.6B --dtype bfloat16 --port 9000 --api-key s3cret
+  TORCH_RUNNER_USE_MLX=1 TORCH_RUNNER_MLX_OPS=attention python -m torch_runner.serve --device cpu
+"""
+
+
+def _config_defaults() -> dict[str, Any]:
+    from torch_runner.config import EngineConfig
+
+    return {f: getattr(EngineConfig, f, None) for f in EngineConfig.field_names()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag, with defaults taken from EngineConfig so the CLI and the engine never drift."""
+    d = _config_defaults()
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_runner.serve",
+        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/health, /metrics) over torch_runner's engine.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model folder (config.json + safetensors). Default: the embedded SmolLM2-135M-Instruct.",
+    )
+    model.add_argument(
+        "--served-model-name",
+        default=None,
+        help="Name clients pass as `model` (default: the model folder's name). 'default' is always accepted too.",
+    )
+    model.add_argument(
+        "--device",
+        default=d["device"],
+        help="auto (mps > cuda > cpu), mps, cuda, cuda:N or cpu. Default: %(default)s.",
+    )
+    model.add_argument(
+        "--dtype",
+        default=d["dtype"],
+        help="auto, float32, bfloat16, float16 or float64. Default: %(default)s.",
+    )
+    model.add_argument(
+        "--load-format", default=d["load_format"], help="Checkpoint format. Default: %(default)s."
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d["max_model_len"],
+        help="Context length (prompt + completion). Default: the model's.",
+    )
+    engine.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d["max_num_seqs"],
+        help="Most requests decoded together. Default: %(default)s.",
+    )
+    engine.add_argument(
+        "--max-waiting",
+        type=int,
+        default=d["max_waiting"],
+        help="Bounded waiting queue; beyond it requests get 503 + Retry-After. Default: %(default)s.",
+    )
+    engine.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=d["max_total_tokens"],
+        help="KV pool size in tokens (overrides --mem-fraction).",
+    )
+    engine.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=d["mem_fraction"],
+        help="Fraction of free device memory for the KV pool when --max-total-tokens is unset. Default: %(default)s.",
+    )
+    engine.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=d["chunked_prefill_size"],
+        help="Per-step prefill token budget; 0 disables chunking. Default: %(default)s.",
+    )
+    engine.add_argument(
+        "--random-seed",
+        type=int,
+        default=d["random_seed"],
+        help="Seed of the engine's generator (unseeded requests). Default: %(default)s.",
+    )
+    engine.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="Seed every row (the request's seed, or 42) so outputs never depend on batchmates.",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="Bind address. Default: %(default)s (local only; use 0.0.0.0 to expose).",
+    )
+    server.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="Port. Default: %(default)s."
+    )
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help="Require 'Authorization: Bearer <key>' on /v1/* (401 otherwise).",
+    )
+    server.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="Request body size limit (413 above it). Default: %(default)s.",
+    )
+    server.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS, help="Default: %(default)s."
+    )
+    return parser
+
+
+def engine_config(args: argparse.Namespace):
+    from torch_runner.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction=args.mem_fraction,
+        chunked_prefill_size=args.chunked_prefill_size,
+        random_seed=args.random_seed,
+        enable_deterministic_inference=args.enable_deterministic_inference,
+        load_format=args.load_format,
+        max_waiting=args.max_waiting,
+    )
+
+
+def gate_mlx(device_spec: str) -> None:
+    """The MLX gate, first thing: validate the runtime, then that MLX can use the device."""
+    if use_mlx():
+        validate_device(resolve_device(device_spec))
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `python -m torch_runner.serve`."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        gate_mlx(args.device)
+    except (MlxRuntimeError, ValueError) as exc:
+        _fail(str(exc))
+    if not 0 <= args.port <= 65535:
+        _fail(f"--port {args.port} is out of range; allowed: 0..65535")
+    if args.max_body_bytes < 1:
+        _fail(f"--max-body-bytes {args.max_body_bytes} is invalid; expected >= 1")
+    try:
+        config = engine_config(args)
+    except ValueError as exc:
+        _fail(f"invalid engine flag: {exc}")
+
+    from torch_runner.serve.server import run_server
+
+    run_server(args, config)

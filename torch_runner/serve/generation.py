@@ -1,0 +1,201 @@
+"""Driving engine requests for one HTTP request: fan-out over choices, merge, abort, disconnects.
+
+One HTTP request becomes (prompts x n) engine requests ("choices"). `merge_choices` runs them
+concurrently and yields their increments in arrival order; whatever way it ends (finished,
+error, client gone, task cancelled) its `finally` aborts every unfinished engine request, which is
+what frees their KV. `until_disconnect` races a coroutine against the client hanging up, for
+non-streaming responses (Starlette already cancels streaming bodies on disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from torch_runner.serve.errors import APIError, OverCapacityError, param_error
+from torch_runner.serve.metrics import ChoiceTracker
+from torch_runner.serve.protocol import PromptTokensDetails, Usage
+
+T = TypeVar("T")
+
+LogprobEntry = tuple[float, list[tuple[int, float]]]
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+@dataclass
+class Choice:
+    """One engine request: cumulative state plus the increment from the latest output."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: Any
+    tracker: ChoiceTracker
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    is_finished: bool = False
+
+
+@dataclass
+class Increment:
+    choice: Choice
+    delta_text: str
+    delta_token_ids: list[int]
+    delta_logprobs: list[LogprobEntry]
+
+
+def normalize_logprobs(raw: Any, token_ids: list[int]) -> list[LogprobEntry]:
+    """Engine logprobs -> [(chosen logprob, [(token id, logprob), ...]), ...] aligned with token_ids."""
+    if not raw:
+        return []
+    entries: list[LogprobEntry] = []
+    for token_id, entry in zip(token_ids, raw):
+        if isinstance(entry, dict):  # {token_id: logprob} including the chosen token
+            chosen = float(entry[token_id])
+            top = sorted(
+                ((int(i), float(lp)) for i, lp in entry.items()), key=lambda item: -item[1]
+            )
+        else:
+            chosen = float(entry.logprob)
+            top = [(int(i), float(lp)) for i, lp in (entry.top_logprobs or [])]
+        entries.append((chosen, top))
+    return entries
+
+
+def apply_output(choice: Choice, output: Any, now: float) -> Increment:
+    """Fold one engine output (cumulative text/token_ids) into the choice; return what is new."""
+    token_ids = list(output.token_ids)
+    delta_ids = token_ids[len(choice.token_ids) :]
+    text = output.text or ""
+    delta_text = text[len(choice.text) :]
+    entries = normalize_logprobs(output.logprobs, token_ids)
+    delta_entries = entries[len(choice.logprobs) :]
+    choice.tracker.on_tokens(now, len(delta_ids))
+    choice.text, choice.token_ids = text, token_ids
+    if entries:
+        choice.logprobs = entries
+    choice.num_cached_tokens = int(getattr(output, "num_cached_tokens", 0) or 0)
+    if output.finished:
+        choice.is_finished = True
+        choice.finish_reason = output.finish_reason or "stop"
+        choice.tracker.finish_reason = choice.finish_reason
+    return Increment(choice, delta_text, delta_ids, delta_entries)
+
+
+def is_over_capacity(exc: BaseException) -> bool:
+    """The engine's bounded queue refused the request (matched by name: no import cycle)."""
+    return any("capacity" in cls.__name__.lower() for cls in type(exc).__mro__)
+
+
+def engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if is_over_capacity(exc):
+        return OverCapacityError(
+            str(exc) or "server is over capacity; retry later", code="over_capacity"
+        )
+    if isinstance(exc, ValueError):
+        return param_error(exc)
+    raise exc
+
+
+async def merge_choices(engine: Any, choices: list[Choice]) -> AsyncIterator[Increment]:
+    """Run every choice concurrently; yield increments as they arrive; abort leftovers on exit."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for output in engine.generate(
+                choice.request_id, choice.prompt_ids, choice.params
+            ):
+                await queue.put(apply_output(choice, output, time.perf_counter()))
+        except Exception as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise engine_error(item)
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for choice in choices:
+            if not choice.is_finished:
+                engine.abort(choice.request_id)
+                choice.tracker.finish_reason = "abort"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        finished, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in finished:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected()
+
+
+async def collect(increments: AsyncIterator[Increment]) -> None:
+    """Drain a merge (choices accumulate their own state), closing it whatever happens."""
+    async with contextlib.aclosing(increments) as stream:
+        async for _ in stream:
+            pass
+
+
+def usage_of(choices: list[Choice]) -> Usage:
+    """Prompt tokens count once per prompt (not per choice); cached tokens: the least any choice got."""
+    prompts: dict[int, tuple[int, int]] = {}
+    for choice in choices:
+        num_prompt, cached = prompts.get(
+            choice.prompt_index, (len(choice.prompt_ids), choice.num_cached_tokens)
+        )
+        prompts[choice.prompt_index] = (num_prompt, min(cached, choice.num_cached_tokens))
+    prompt_tokens = sum(n for n, _ in prompts.values())
+    completion_tokens = sum(len(choice.token_ids) for choice in choices)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(c for _, c in prompts.values())
+        ),
+    )

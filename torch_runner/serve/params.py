@@ -1,0 +1,151 @@
+"""OpenAI request fields -> engine `SamplingParams`, one per choice.
+
+`n` is expanded here rather than in the engine: each choice is its own engine request, and with a
+seed choice i uses seed + i, so the choices differ yet every one of them reproduces. The engine's
+`SamplingParams` validates ranges and raises a ValueError carrying `.param`; `build_params` maps it
+to a 400 naming the API's field (e.g. `max_completion_tokens`, not the engine's `max_tokens`).
+`structured_spec` is the one seam for `response_format`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_runner.serve.errors import InvalidRequestError, param_error
+from torch_runner.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+SEED_MODULUS = 2**64
+
+
+def structured_spec(response_format: dict[str, Any] | None) -> Any:
+    """Map `response_format` to the engine's structured-output spec (None = free text).
+
+    `{"type": "text"}` is plain text. Anything else waits for the structured-output work and is
+    rejected, never silently ignored.
+    """
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    raise InvalidRequestError(
+        f"response_format type {kind!r} is not supported yet; allowed values: 'text'",
+        param="response_format",
+    )
+
+
+def parse_logit_bias(
+    logit_bias: dict[str, float] | None, vocab_size: int
+) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not logit_bias:
+        return None
+    parsed: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequestError(
+                f"logit_bias key {key!r} is not a token id (an integer as a string)",
+                param="logit_bias",
+            ) from None
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias token id {token_id} is out of range [0, {vocab_size})",
+                param="logit_bias",
+            )
+        if not -100.0 <= bias <= 100.0:
+            raise InvalidRequestError(
+                f"logit_bias value {bias} for token {token_id} is out of range [-100, 100]",
+                param="logit_bias",
+            )
+        parsed[token_id] = float(bias)
+    return parsed
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str] | None:
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(s == "" for s in stops):
+        raise InvalidRequestError("stop strings must be non-empty", param="stop")
+    return stops or None
+
+
+def _common_fields(
+    request: CompletionRequest | ChatCompletionRequest, vocab_size: int
+) -> dict[str, Any]:
+    if request.top_k is not None and request.top_k != -1 and request.top_k < 1:
+        raise InvalidRequestError(
+            f"top_k={request.top_k} is invalid; expected -1 or >= 1", param="top_k"
+        )
+    fields: dict[str, Any] = {
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "logit_bias": parse_logit_bias(request.logit_bias, vocab_size),
+        "stop": _stop_list(request.stop),
+        "min_tokens": request.min_tokens,
+        "ignore_eos": request.ignore_eos,
+        "structured": structured_spec(request.response_format),
+    }
+    optional = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "repetition_penalty": request.repetition_penalty,
+        "stop_token_ids": request.stop_token_ids,
+    }
+    fields.update({name: value for name, value in optional.items() if value is not None})
+    return fields
+
+
+def completion_fields(request: CompletionRequest, vocab_size: int) -> dict[str, Any]:
+    if request.suffix is not None:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise InvalidRequestError(
+            f"best_of={request.best_of} is not supported; allowed values: null or n ({request.n})",
+            param="best_of",
+        )
+    if request.echo and request.logprobs is not None:
+        raise InvalidRequestError(
+            "echo with logprobs is not supported (prompt logprobs are not computed)", param="echo"
+        )
+    fields = _common_fields(request, vocab_size)
+    fields["max_tokens"] = request.max_tokens
+    if request.logprobs is not None:
+        fields["logprobs"] = True
+        fields["top_logprobs"] = request.logprobs
+    return fields
+
+
+def chat_fields(request: ChatCompletionRequest, vocab_size: int) -> dict[str, Any]:
+    if request.tools:
+        raise InvalidRequestError("tools are not supported", param="tools")
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    fields = _common_fields(request, vocab_size)
+    fields["max_tokens"] = (
+        request.max_completion_tokens
+        if request.max_completion_tokens is not None
+        else request.max_tokens
+    )
+    if request.logprobs:
+        fields["logprobs"] = True
+        fields["top_logprobs"] = request.top_logprobs or 0
+    return fields
+
+
+def expand_choices(
+    params_cls: type, fields: dict[str, Any], n: int, seed: int | None, param_names: dict[str, str]
+) -> list[Any]:
+    """One `SamplingParams` per choice; choice i gets seed + i (mod 2^64) when a seed is given."""
+    params = []
+    for index in range(n):
+        choice_seed = None if seed is None else (seed + index) % SEED_MODULUS
+        try:
+            params.append(params_cls(**fields, n=1, seed=choice_seed))
+        except ValueError as exc:
+            raise param_error(exc, param_names) from None
+    return params

@@ -1,0 +1,94 @@
+"""Prompts -> token ids, with the context-length check.
+
+Completions take strings (tokenized with the tokenizer's special tokens, e.g. BOS) or token ids
+(used as given, range-checked). Chat renders messages through the tokenizer's chat template and
+tokenizes the result without adding special tokens again (the template already has them).
+A prompt that cannot fit is a 400 that states both numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_runner.serve.errors import InvalidRequestError
+from torch_runner.serve.protocol import ChatMessage
+
+
+def completion_prompts(tokenizer: Any, prompt: Any, vocab_size: int) -> list[tuple[list[int], str]]:
+    """Normalise the four accepted shapes to [(token ids, prompt text)]."""
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    result = []
+    for item in items:
+        if isinstance(item, str):
+            ids = list(tokenizer.encode(item))
+            text = item
+        else:
+            bad = [t for t in item if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token id {bad[0]} is out of range [0, {vocab_size})", param="prompt"
+                )
+            ids = list(item)
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+        if not ids:
+            raise InvalidRequestError("prompt must contain at least one token", param="prompt")
+        result.append((ids, text))
+    return result
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        entry["name"] = message.name
+    return entry
+
+
+def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+    """Render `messages` with the chat template (generation prompt appended) and tokenize."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "this model's tokenizer has no chat template; use /v1/completions", param="messages"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            [_message_dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # jinja raises its own errors for templates that reject a conversation
+        raise InvalidRequestError(
+            f"messages could not be rendered by the chat template: {exc}", param="messages"
+        ) from None
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise InvalidRequestError("messages render to an empty prompt", param="messages")
+    return ids
+
+
+def check_context(
+    num_prompt: int, max_tokens: int | None, max_model_len: int, prompt_param: str, max_param: str
+) -> None:
+    """The prompt must leave room for at least one token, and for max_tokens when given."""
+    if num_prompt >= max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt} tokens (at least one must be left for the completion)",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens, but {num_prompt + max_tokens} "
+            f"were requested ({num_prompt} in the prompt, {max_tokens} in the completion); reduce "
+            f"{max_param} or the prompt",
+            param=max_param,
+            code="context_length_exceeded",
+        )

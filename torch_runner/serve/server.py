@@ -1,0 +1,74 @@
+"""Start the engine, print the one start-up banner, and run uvicorn until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from torch_runner.serve.state import DEFAULT_MODEL_ALIAS, ServingState
+
+
+def served_name(args: argparse.Namespace, engine: Any) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model:
+        return os.path.basename(os.path.normpath(args.model)) or args.model
+    return getattr(engine, "model_name", None) or "SmolLM2-135M-Instruct"
+
+
+def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str) -> str:
+    """Device, dtype, per-op backend, KV capacity and URL, in one block printed once."""
+    stats = state.engine_stats()
+    ops = ", ".join(f"{name}={backend}" for name, backend in backends.items())
+    auth = " (API key required)" if state.api_key else ""
+    return "\n".join(
+        [
+            f"torch_runner serve: model {state.model_name!r} (alias {DEFAULT_MODEL_ALIAS!r})",
+            f"  device: {engine.device}   dtype: {str(engine.dtype).removeprefix('torch.')}",
+            f"  ops: {ops}",
+            f"  KV capacity: {stats.get('kv_total_tokens')} tokens   max_model_len: {state.max_model_len}   "
+            f"max_num_seqs: {engine.config.max_num_seqs}",
+            f"  listening on {url}/v1{auth}",
+        ]
+    )
+
+
+def run_server(args: argparse.Namespace, config: Any) -> None:
+    import uvicorn
+
+    import ops
+    from torch_runner import AsyncEngine, Engine, SamplingParams
+    from torch_runner.serve.app import create_app
+
+    try:
+        engine = Engine.from_config(config)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: could not start the engine: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    try:
+        state = ServingState(
+            engine=async_engine,
+            tokenizer=engine.tokenizer,
+            model_name=served_name(args, engine),
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            params_cls=SamplingParams,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+        )
+        app = create_app(state)
+        url = f"http://{args.host}:{args.port}"
+        print(banner(state, engine, ops.backends(), url), flush=True)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        async_engine.shutdown()

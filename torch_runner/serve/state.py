@@ -1,0 +1,103 @@
+"""What every handler needs: the engine, the tokenizer, the served name, limits and metrics."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_runner.serve.errors import AuthenticationError, NotFoundError
+from torch_runner.serve.generation import Choice
+from torch_runner.serve.logprobs import TokenTable
+from torch_runner.serve.metrics import ChoiceTracker, ServerMetrics
+from torch_runner.serve.params import expand_choices
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MODEL_ALIAS = "default"
+
+
+@dataclass
+class ServingState:
+    """Shared, read-only per server (the engine itself is thread-safe behind AsyncEngine)."""
+
+    engine: Any  # AsyncEngine: generate / abort / stats
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    params_cls: type  # SamplingParams
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    metrics: ServerMetrics = field(init=False)
+    token_table: TokenTable = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.engine_stats, self.model_name)
+        self.token_table = TokenTable(self.tokenizer)
+
+    def engine_stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats())
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.model_name, DEFAULT_MODEL_ALIAS)
+
+    def check_model(self, name: str | None) -> None:
+        """Unknown model names are a 404, as OpenAI answers them."""
+        if name is not None and name not in self.served_names:
+            raise NotFoundError(
+                f"The model {name!r} does not exist; this server serves {self.model_name!r} "
+                f"(alias {DEFAULT_MODEL_ALIAS!r})",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_api_key(self, authorization: str | None) -> None:
+        """With --api-key, `/v1/*` needs `Authorization: Bearer <key>` (constant-time compare)."""
+        if self.api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise AuthenticationError(
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    def build_choices(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        fields: dict[str, Any],
+        n: int,
+        seed: int | None,
+        param_names: dict[str, str],
+        arrived_at: float,
+    ) -> list[Choice]:
+        """prompts x n choices, OpenAI order: choice index = prompt index * n + i."""
+        params = expand_choices(self.params_cls, fields, n, seed, param_names)
+        choices = []
+        for prompt_index, prompt_ids in enumerate(prompts):
+            for i, choice_params in enumerate(params):
+                index = prompt_index * n + i
+                choices.append(
+                    Choice(
+                        index=index,
+                        prompt_index=prompt_index,
+                        request_id=f"{request_id}-{index}",
+                        prompt_ids=prompt_ids,
+                        params=choice_params,
+                        tracker=ChoiceTracker(arrived_at),
+                    )
+                )
+        return choices
+
+    def record(self, choices: list[Choice]) -> None:
+        """Feed finished (or aborted) choices into the metrics, once per HTTP request."""
+        seen_prompts: set[int] = set()
+        for choice in choices:
+            if choice.prompt_index not in seen_prompts:
+                seen_prompts.add(choice.prompt_index)
+                self.metrics.observe_prompt(len(choice.prompt_ids), choice.num_cached_tokens)
+            self.metrics.observe_choice(choice.tracker)
