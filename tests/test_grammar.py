@@ -17,6 +17,8 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from ops.sampling import SamplingBatch, sample
+from ops.sampling_params import SamplingParams
 from torch_runner.grammar import (
     GRAMMAR_KINDS,
     GrammarCompilerCache,
@@ -222,23 +224,37 @@ def test_edit_row_matches_per_token_acceptance(tokenizer, compilers):
         assert is_accepted == (row[token] == 0), token
 
 
-def test_grammar_and_logit_bias_combine_into_one_row(tokenizer, compilers):
+def test_grammar_mask_and_logit_bias_form_one_sampler_edit_row(tokenizer, compilers):
     yes, no = tokenizer.encode("yes")[0], tokenizer.encode("no")[0]
-    grammar = compilers.new_request_grammar("regex", "yes|no")
     masker = GrammarMasker(VOCAB, "cpu", max_batch_size=1)
-    rows = masker.build_edit_rows(
-        [None, grammar, None, compilers.new_request_grammar("regex", "yes|no")],
-        [None, {yes: -5.0, 7: 3.0}, {7: 2.5}, None],
-    )
-    assert rows[0] is None
-    mask_only = rows[3]
-    assert rows[1][yes] == -5.0 and rows[1][no] == 0.0
-    assert rows[1][7] == float("-inf")  # bias cannot re-allow a forbidden token
-    assert torch.equal(torch.isinf(rows[1]), torch.isinf(mask_only))
-    bias_only = torch.zeros(VOCAB)
-    bias_only[7] = 2.5
-    assert torch.equal(rows[2], bias_only)
+    grammars = [
+        None,
+        compilers.new_request_grammar("regex", "yes|no"),
+        None,
+        compilers.new_request_grammar("regex", "yes|no"),
+    ]
+    rows = masker.build_edit_rows(grammars)
+    assert rows[0] is None and rows[2] is None
     assert masker.bitmask.shape[0] >= 2  # grew past max_batch_size
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logit_bias={yes: -5.0, 7: 3.0}),
+        SamplingParams(temperature=0.0, logit_bias={7: 2.5}),
+        SamplingParams(temperature=0.0),
+    ]
+    batch = SamplingBatch.build(params, [[1]] * 4, [[]] * 4, VOCAB, "cpu", edit_rows=rows)
+    edits = batch.logit_edits  # [4, V]
+    assert not edits[0].any()
+    assert edits[1, yes] == -5.0 and edits[1, no] == 0.0
+    assert edits[1, 7] == float("-inf")  # a bias never re-allows a forbidden token
+    assert torch.equal(torch.isinf(edits[1]), torch.isinf(edits[3]))
+    assert torch.nonzero(edits[2]).flatten().tolist() == [7] and edits[2, 7] == 2.5
+    # Greedy through the sampler: token 7 leads everywhere but grammar rows cannot take it; the
+    # biased-down "yes" then loses to "no" in row 1 and wins in row 3.
+    logits = torch.full((4, VOCAB), -10.0)
+    logits[:, 7], logits[:, yes], logits[:, no] = 5.0, 3.0, 0.0
+    tokens = sample(logits, batch, torch.zeros(4, dtype=torch.long)).token_ids.tolist()
+    assert tokens == [7, no, 7, yes]
 
 
 def test_padded_vocab_ids_are_never_allowed(tokenizer):

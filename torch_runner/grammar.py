@@ -85,6 +85,8 @@ def normalize_spec(kind: str, spec: Any) -> str:
 class GrammarCompilerCache:
     """Compiles grammars for one tokenizer; an LRU of compiled grammars keyed by (kind, text).
 
+    `tokenizer` is a Hugging Face tokenizer (or an already built `xgrammar.TokenizerInfo`).
+
     `vocab_size` is the model's vocabulary (the logits width), which may exceed the tokenizer's
     (padded embedding tables); ids past the tokenizer are never allowed by the mask.
     """
@@ -99,7 +101,12 @@ class GrammarCompilerCache:
     ):
         if max_entries < 1:
             raise ValueError(f"max_entries={max_entries} must be >= 1")
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        if isinstance(tokenizer, xgr.TokenizerInfo):  # prebuilt (benchmarks, raw vocabularies)
+            self.tokenizer_info = tokenizer
+        else:
+            self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size
+            )
         self.vocab_size = int(self.tokenizer_info.vocab_size)
         # xgrammar's own cache is unbounded by default; ours is the bounded LRU.
         self._compiler = xgr.GrammarCompiler(

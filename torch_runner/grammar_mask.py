@@ -1,8 +1,9 @@
-"""Turn xgrammar token bitmasks (and logit_bias) into the sampler's additive edit rows.
+"""Turn xgrammar token bitmasks into the sampler's additive edit rows.
 
-Contract with the sampler (`SamplingBatch.build(..., edit_rows=[Tensor[V] | None per row])`): each
-request has at most ONE additive row, 0 where a token is allowed, -inf where the grammar forbids
-it, plus its logit_bias. Building one row per request keeps the sampler a plain `logits + row`.
+Contract with the sampler (`SamplingBatch.build(..., edit_rows=[Tensor[V] | None per row])`): a
+grammar row is 0 where a token is allowed and -inf where the grammar forbids it; the sampler adds
+it to the request's logit_bias (and min_tokens bans) to form the request's ONE additive edit row
+(`SamplingBatch.logit_edits`), so the sampler stays a plain `logits + edits`.
 
 Why a lookup table: the bitmask is int32 words, bit j of word w = token 32*w + j (little-endian),
 so viewing it as bytes and gathering a [256, 8] table of {0, -inf} yields the row in one
@@ -14,7 +15,7 @@ memory and is copied non-blocking; the table lives on the device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 import xgrammar as xgr
@@ -49,8 +50,8 @@ def bitmask_to_additive(
 class GrammarMasker:
     """Per-runner buffers that build the edit rows of one step.
 
-    `build_edit_rows` fills the bitmask of every grammar row on the CPU (xgrammar), converts them
-    on the runner's device in one gather, then adds logit_bias; rows with neither get None.
+    `build_edit_rows` fills the bitmask of every grammar row on the CPU (xgrammar) and converts
+    them on the runner's device in one gather; free rows get None.
     """
 
     def __init__(
@@ -74,32 +75,22 @@ class GrammarMasker:
         return self.bitmask[:num_rows]
 
     def build_edit_rows(
-        self,
-        grammars: Sequence[RequestGrammar | None],
-        logit_biases: Sequence[Mapping[int, float] | None] | None = None,
+        self, grammars: Sequence[RequestGrammar | None]
     ) -> list[torch.Tensor | None]:
-        """One additive row [V] (or None) per batch row, on the runner's device."""
-        if logit_biases is None:
-            logit_biases = [None] * len(grammars)
-        if len(logit_biases) != len(grammars):
-            raise ValueError(
-                f"logit_biases has {len(logit_biases)} rows but grammars has {len(grammars)}"
-            )
+        """One additive mask row [V] (or None for free rows) per batch row, on the device.
+
+        Call after the previous step's tokens were accepted. The bitmask buffer is reused: on
+        CUDA its non-blocking copy is stream-ordered before the sampler, whose tokens the host
+        reads (a sync) before the next fill can overwrite it.
+        """
         grammar_rows = [i for i, g in enumerate(grammars) if g is not None]
-        bias_rows = [i for i, b in enumerate(logit_biases) if b]
         edit_rows: list[torch.Tensor | None] = [None] * len(grammars)
-        if grammar_rows:
-            bitmask = self._bitmask_rows(len(grammar_rows))
-            for slot, row in enumerate(grammar_rows):
-                grammars[row].fill_bitmask(bitmask, slot)
-            masks = bitmask_to_additive(bitmask, self.vocab_size, self.table)  # [G, V]
-            for slot, row in enumerate(grammar_rows):
-                edit_rows[row] = masks[slot]
-        for row in bias_rows:
-            if edit_rows[row] is None:
-                edit_rows[row] = torch.zeros(self.vocab_size, dtype=self.dtype, device=self.device)
-            ids, values = zip(*logit_biases[row].items(), strict=True)
-            index = torch.tensor(ids, dtype=torch.long).to(self.device)
-            bias = torch.tensor(values, dtype=self.dtype).to(self.device)
-            edit_rows[row].index_add_(0, index, bias)  # -inf stays -inf
+        if not grammar_rows:
+            return edit_rows
+        bitmask = self._bitmask_rows(len(grammar_rows))
+        for slot, row in enumerate(grammar_rows):
+            grammars[row].fill_bitmask(bitmask, slot)
+        masks = bitmask_to_additive(bitmask, self.vocab_size, self.table)  # [G, V]
+        for slot, row in enumerate(grammar_rows):
+            edit_rows[row] = masks[slot]
         return edit_rows
