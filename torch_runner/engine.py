@@ -1,0 +1,309 @@
+"""The offline engine: load once, then schedule -> run -> postprocess, one step at a time.
+
+`Engine.generate` and `Engine.stream` are the offline API; `AsyncEngine` (async_engine.py)
+drives the same `add_request` / `step` / `abort` from a background thread for the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+from models import load_model
+from ops.sampling_params import SamplingParams
+from torch_runner.block_manager import BlockManager
+from torch_runner.config import EngineConfig
+from torch_runner.model_runner import ModelRunner, available_memory_bytes
+from torch_runner.outputs import RequestOutput
+from torch_runner.radix_cache import RadixCache
+from torch_runner.request_state import RequestState
+from torch_runner.scheduler import Scheduler
+from torch_runner.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class Engine:
+    """Continuous-batching generation over one model (see docs/engine.md)."""
+
+    def __init__(
+        self, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs: Any
+    ):
+        self._start(EngineConfig(model=model, device=device, dtype=dtype, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        engine = cls.__new__(cls)
+        engine._start(config)
+        return engine
+
+    def _start(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        path = config.model
+        if path is None:
+            from models.default_model import default_model_path
+
+            path = str(default_model_path())
+        self.config = config
+        loaded = load_model(
+            path, device=config.device, dtype=config.dtype, load_format=config.load_format
+        )
+        self.model_path = str(loaded.path)
+        self.args = loaded.args
+        self.device = next(loaded.model.parameters()).device
+        self.dtype = next(loaded.model.parameters()).dtype
+        self.vocab_size = self.args.vocab_size
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.max_model_len = config.max_model_len or self.args.max_position_embeddings
+        eos = set(loaded.eos_token_ids)
+        hf_eos = getattr(loaded.hf_config, "eos_token_id", None)
+        eos.update(hf_eos if isinstance(hf_eos, list) else [] if hf_eos is None else [hf_eos])
+        self.eos_token_ids = eos
+        num_blocks = self._num_blocks(config)
+        self.runner = ModelRunner(loaded, config, num_blocks, self.device, self.dtype, sorted(eos))
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.prefix_cache = (
+            RadixCache(self.block_manager, config.max_cached_windows)
+            if config.enable_prefix_caching
+            else None
+        )
+        budget = (
+            config.chunked_prefill_size
+            if config.is_chunked_prefill
+            else max(self.max_model_len, 8192)
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            token_budget=budget,
+            is_chunked_prefill=config.is_chunked_prefill,
+            prefix_cache=self.prefix_cache,
+            need_payload=self.runner.layout.has_swa,
+        )
+        self.requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self._grammar_masker = None
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        bs = config.block_size
+        most = config.max_num_seqs * self.max_model_len
+        per_token = ModelRunner.kv_bytes_per_token(self.args, self.dtype)
+        if config.max_total_tokens is not None:
+            tokens = config.max_total_tokens
+        elif per_token == 0:
+            tokens = most  # SWA-only model: the pool holds no KV, only prefix bookkeeping
+        else:
+            free = available_memory_bytes(self.device)
+            tokens = min(most, int(free * config.mem_fraction) // per_token)
+        num_blocks = max(1, tokens // bs)
+        logger.info(
+            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token over %d full-attention layers)",
+            num_blocks,
+            bs,
+            num_blocks * bs,
+            num_blocks * bs * per_token / 2**20,
+            per_token,
+            sum(t != "sliding_attention" for t in self.args.layer_types),
+        )
+        return num_blocks
+
+    # ---- requests ---------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return list(prompt)
+        raise ValueError(
+            f"prompt must be a string or a list of token ids; got {type(prompt).__name__}"
+        )
+
+    def add_request(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None
+    ) -> str:
+        """Queue one request (n must be 1 here; `generate` fans n out). Returns its id."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: add_request takes one sequence; use generate() or fan out per choice"
+            )
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty; expected at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is out of range; allowed: 0..{self.vocab_size - 1}"
+            )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        grammar = self._new_grammar(params)
+        seq = Sequence(request_id, ids, params)
+        self.scheduler.add(seq)
+        self.requests[request_id] = RequestState(
+            seq, self.tokenizer, self.eos_token_ids, self.max_model_len, grammar
+        )
+        self.num_prompt_tokens += len(ids)
+        return request_id
+
+    def _new_grammar(self, params: SamplingParams):
+        if params.structured is None:
+            return None
+        from torch_runner.grammar import compiler_for
+
+        spec = params.structured
+        return compiler_for(self.tokenizer, self.vocab_size).new_request_grammar(
+            spec.kind, spec.spec
+        )
+
+    def _grammar_rows(self, chunks):
+        grammars = [self.requests[c.seq.request_id].grammar for c in chunks]
+        if all(g is None for g in grammars):
+            return None
+        if self._grammar_masker is None:
+            from torch_runner.grammar_mask import GrammarMasker
+
+            self._grammar_masker = GrammarMasker(self.vocab_size, self.device)
+        return self._grammar_masker.build_edit_rows(grammars)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.abort(request_id)
+        self.runner.free(request_id)
+        return state.make_output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, postprocess; returns an output for every request that progressed."""
+        out = self.scheduler.schedule()
+        for seq in out.preempted:
+            self.runner.free(seq.request_id)
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out.chunks, self._grammar_rows)
+        self.scheduler.advance(out)
+        if self.prefix_cache is not None:
+            for chunk in out.chunks:
+                seq = chunk.seq
+                if not seq.is_prompt_cached and chunk.end >= seq.num_prompt_tokens:
+                    self.scheduler.cache_prefix(seq, self._payload(seq))
+                    seq.is_prompt_cached = True
+        outputs = []
+        for i, (rid, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
+            state = self.requests[rid]
+            logprob = result.logprobs[i] if result.logprobs is not None else None
+            top = result.top_logprobs[i] if result.top_logprobs is not None else None
+            finish = state.append(token_id, logprob, top)
+            self.num_generated_tokens += 1
+            if finish is not None:
+                self.scheduler.finish(state.seq, finish[0], finish[1], self._payload(state.seq))
+                self.runner.free(rid)
+                del self.requests[rid]
+            outputs.append(state.make_output())
+        return outputs
+
+    def _payload(self, seq: Sequence):
+        if not self.runner.layout.has_swa or self.prefix_cache is None:
+            return None
+        end = (seq.num_computed_tokens // self.config.block_size) * self.config.block_size
+        return self.runner.snapshot_windows(seq.request_id, end) if end else None
+
+    # ---- offline API ------------------------------------------------------------------
+    def _fan_out(self, prompts, params) -> list[tuple[Prompt, SamplingParams]]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        if not isinstance(prompts, list | tuple) or not prompts:
+            raise ValueError(
+                "prompts must be a string, a list of token ids, or a non-empty list of those"
+            )
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        jobs = []
+        for prompt, p in zip(prompts, params):
+            for j in range(p.n):
+                seed = p.seed if p.seed is None or p.n == 1 else (p.seed + j) % 2**64
+                jobs.append((prompt, replace(p, n=1, seed=seed)))
+        return jobs
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; one output per prompt (n per prompt when n > 1), in order."""
+        rids = [self.add_request(None, prompt, p) for prompt, p in self._fan_out(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(rids):
+                for output in self.step():
+                    if output.finished:
+                        final[output.request_id] = output
+        finally:
+            for rid in rids:
+                if rid not in final:
+                    self.abort(rid)
+        return [final[rid] for rid in rids]
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield increments of one request until it finishes."""
+        rid = self.add_request(None, prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for output in self.step():
+                    if output.request_id == rid:
+                        finished = output.finished
+                        yield output
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    # ---- introspection ----------------------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        bs = self.config.block_size
+        cache = self.prefix_cache
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_used_tokens": bm.num_used_blocks * bs,
+            "kv_total_tokens": bm.num_blocks * bs,
+            "kv_usage": bm.num_used_blocks / bm.num_blocks,
+            "prefix_cache_hit_tokens": cache.num_hit_tokens if cache else 0,
+            "prefix_cache_queried_tokens": cache.num_queried_tokens if cache else 0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.num_prompt_tokens,
+            "generation_tokens_total": self.num_generated_tokens,
+        }

@@ -1,0 +1,228 @@
+"""The ModelRunner: the only component that touches the device.
+
+Per step it turns the scheduler's chunks into tensors, runs the model and samples. Rows of very
+different lengths are not padded into one rectangle (63 decodes beside a 448-token chunk would
+compute 64 x 448 tokens): chunks are grouped by length (all decodes together, similar prefill
+chunks together), each group is one `model.forward`, and the last hidden state of every row
+that needs a token is gathered so `compute_logits` and the sampler run once per step, on those
+rows only. Slot indices for the paged pool are built once per group and shared by every
+full-attention layer; SWA layers use one WindowedKVCache per request and layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import ops
+from ops.sampling_batch import SamplingBatch
+from torch_runner.kv_cache import (
+    CacheLayout,
+    PagedKVPool,
+    PagedLayerView,
+    PagedStepMeta,
+    WindowedBatchView,
+    WindowedKVCache,
+)
+from torch_runner.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+PAD_WASTE = 1.3  # a group may compute at most this many padded tokens per real token
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens of one step, in the order of the sampled chunks."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory of the device: CUDA mem_get_info, MPS recommended budget, else /proc/meminfo."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "mps":
+        return int(torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory())
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; set max_total_tokens")
+
+
+def group_chunks(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+    """Split chunks into forward groups whose padding wastes at most PAD_WASTE."""
+    groups: list[list[ScheduledChunk]] = []
+    real = 0
+    for chunk in sorted(chunks, key=lambda c: -c.num_tokens):
+        if groups:
+            width = groups[-1][0].num_tokens
+            if (len(groups[-1]) + 1) * width <= PAD_WASTE * (real + chunk.num_tokens):
+                groups[-1].append(chunk)
+                real += chunk.num_tokens
+                continue
+        groups.append([chunk])
+        real = chunk.num_tokens
+    return groups
+
+
+class ModelRunner:
+    """Owns the model, the paged pool and the per-request SWA caches."""
+
+    def __init__(
+        self,
+        loaded,
+        config,
+        num_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        eos_token_ids=(),
+    ):
+        self.model = loaded.model
+        self.eos_token_ids = list(eos_token_ids)
+        self.args = loaded.args
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.deterministic = config.enable_deterministic_inference
+        self.vocab_size = self.args.vocab_size
+        self.layout = CacheLayout(tuple(self.args.layer_types), self.args.sliding_window)
+        self.full_layers = self.layout.full_layers
+        self.swa_layers = self.layout.swa_layers
+        self.pool = PagedKVPool(
+            len(self.full_layers),
+            num_blocks if self.full_layers else 1,
+            self.block_size,
+            self.args.num_key_value_heads,
+            self.args.head_dim,
+            dtype,
+            device,
+        )
+        self._pool_index = {layer: i for i, layer in enumerate(self.full_layers)}
+        self.swa_caches: dict[str, list[WindowedKVCache]] = {}
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(config.random_seed)
+
+    @staticmethod
+    def kv_bytes_per_token(args, dtype: torch.dtype) -> int:
+        layout = CacheLayout(tuple(args.layer_types), args.sliding_window)
+        return PagedKVPool.bytes_per_token(
+            len(layout.full_layers), args.num_key_value_heads, args.head_dim, dtype
+        )
+
+    # ---- SWA cache lifecycle ----------------------------------------------------------
+    def free(self, request_id: str) -> None:
+        self.swa_caches.pop(request_id, None)
+
+    def snapshot_windows(self, request_id: str, end_position: int):
+        """Prefix-cache payload: every SWA layer's window ending at `end_position`, or None."""
+        caches = self.swa_caches.get(request_id)
+        if not caches:
+            return None
+        snaps = [cache.snapshot(end_position) for cache in caches]
+        if any(s is None for s in snaps):
+            return None
+        return (end_position, snaps)
+
+    def _swa_caches_for(self, chunk: ScheduledChunk) -> list[WindowedKVCache]:
+        rid = chunk.seq.request_id
+        caches = self.swa_caches.get(rid)
+        if chunk.restore_from is not None:
+            end, snaps = chunk.restore_from
+            assert end == chunk.start, "prefix payload does not end where the chunk starts"
+            caches = [WindowedKVCache.restore(self.layout.window, k, v, end) for k, v in snaps]
+        elif caches is None or chunk.start == 0:
+            caches = [WindowedKVCache(self.layout.window) for _ in self.swa_layers]
+        if caches and caches[0].offset != chunk.start:
+            raise RuntimeError(
+                f"request {rid!r}: SWA cache at {caches[0].offset}, chunk starts at {chunk.start}"
+            )
+        self.swa_caches[rid] = caches
+        return caches
+
+    # ---- the step ---------------------------------------------------------------------
+    def _forward_group(self, group: list[ScheduledChunk]) -> torch.Tensor:
+        """Run one forward over `group`; returns hidden [B, N, H]."""
+        b, n = len(group), group[0].num_tokens
+        ids = [0] * (b * n)
+        pos = [0] * (b * n)
+        for i, chunk in enumerate(group):
+            tokens = chunk.seq.token_slice(chunk.start, chunk.end)
+            ids[i * n : i * n + len(tokens)] = tokens
+            pos[i * n : (i + 1) * n] = range(chunk.start, chunk.start + n)
+        input_ids = torch.tensor(ids, dtype=torch.int64).view(b, n).to(self.device)  # [B, N]
+        positions = torch.tensor(pos, dtype=torch.int64).view(b, n).to(self.device)  # [B, N]
+        num_new = [c.num_tokens for c in group]
+        caches: list = [None] * len(self.args.layer_types)
+        if self.full_layers:
+            meta = PagedStepMeta(
+                [c.seq.block_table for c in group],
+                [c.start for c in group],
+                num_new,
+                self.block_size,
+                self.device,
+            )
+            for layer, index in self._pool_index.items():
+                caches[layer] = PagedLayerView(self.pool, index, meta)
+        if self.swa_layers:
+            per_row = [self._swa_caches_for(c) for c in group]
+            layouts: dict = {}
+            for j, layer in enumerate(self.swa_layers):
+                caches[layer] = WindowedBatchView([row[j] for row in per_row], num_new, layouts)
+        return self.model(input_ids, positions, caches)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk], grammar_rows=None) -> StepResult:
+        """Run the step's chunks; sample one token for every chunk that reaches its end.
+
+        grammar_rows(sampled_chunks) -> list of additive [V] rows or None (structured output).
+        """
+        hidden_rows, sampled = [], []
+        for group in group_chunks(chunks):
+            hidden = self._forward_group(group)  # [B, N, H]
+            rows = [i for i, c in enumerate(group) if c.is_sampled]
+            if rows:
+                last = [group[i].num_tokens - 1 for i in rows]
+                index = (
+                    torch.tensor(rows, device=self.device),
+                    torch.tensor(last, device=self.device),
+                )
+                hidden_rows.append(hidden[index])  # [M, H]
+                sampled.extend(group[i] for i in rows)
+        if not sampled:
+            return StepResult([], [])
+        logits = self.model.compute_logits(
+            torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0]
+        )
+        seqs = [c.seq for c in sampled]
+        edit_rows = grammar_rows(sampled) if grammar_rows is not None else None
+        batch = SamplingBatch.build(
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            self.vocab_size,
+            self.device,
+            edit_rows=edit_rows,
+            deterministic=self.deterministic,
+            eos_token_ids=self.eos_token_ids,
+        )
+        positions = torch.tensor(
+            [s.num_tokens - 1 for s in seqs], dtype=torch.int64, device=self.device
+        )
+        out = ops.sample(logits[:, : self.vocab_size], batch, positions, self.generator)
+        result = StepResult([s.request_id for s in seqs], out.token_ids.tolist())
+        if out.logprobs is not None:
+            result.logprobs = out.logprobs.tolist()
+            if out.top_logprobs is not None:
+                ids, values = out.top_logprobs
+                result.top_logprobs = [
+                    list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())
+                ]
+        return result

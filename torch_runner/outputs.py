@@ -1,0 +1,36 @@
+"""What the engine hands back: one `RequestOutput` per request per step it progressed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One generated token's logprob and the `top_logprobs` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative state of one request plus the increment of the latest step.
+
+    text / token_ids / logprobs are cumulative; delta_text / delta_token_ids are what this
+    output adds. finish_reason is "stop", "length", "abort" or None while running; stop_reason
+    is the stop string or stop token id that ended it (None for EOS and length).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_text: str
+    delta_token_ids: list[int]
+    logprobs: list[Logprob] | None
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    stop_reason: int | str | None = None

@@ -1,0 +1,103 @@
+"""Per-request bookkeeping around a Sequence: detokenizer, stop checks, logprobs, increments.
+
+Kept apart from the scheduler (which only sees token counts) and the runner (which only sees
+tensors): this is where a sampled token becomes text and where a request decides it is done.
+Order of checks for each new token: grammar termination, EOS (unless ignore_eos), stop token
+ids, stop strings (only after min_tokens; the stop string and what follows are cut), max_tokens,
+then the context length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_runner.detokenizer import IncrementalDetokenizer, find_stop, holdback_length
+from torch_runner.outputs import Logprob, RequestOutput
+from torch_runner.sequence import Sequence
+
+
+class RequestState:
+    def __init__(
+        self,
+        seq: Sequence,
+        tokenizer,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        grammar: Any = None,
+    ):
+        self.seq = seq
+        self.params = seq.params
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, seq.prompt_token_ids, self.params.skip_special_tokens
+        )
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.grammar = grammar
+        self.stops = list(self.params.stop or [])
+        self.max_stop_len = max((len(s) for s in self.stops), default=0)
+        self.logprobs: list[Logprob] | None = [] if self.params.logprobs else None
+        self.final_text: str | None = None
+        self.num_emitted_tokens = 0
+        self.num_emitted_chars = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    def append(
+        self, token_id: int, logprob: float | None, top: list | None
+    ) -> tuple[str, Any] | None:
+        """Record one sampled token; returns (finish_reason, stop_reason) when the request ends."""
+        seq, params = self.seq, self.params
+        seq.append_token(token_id)
+        if self.logprobs is not None and logprob is not None:
+            alternatives = [(int(i), float(v)) for i, v in (top or [])[: params.top_logprobs]]
+            self.logprobs.append(Logprob(token_id, float(logprob), alternatives))
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
+            if self.grammar.is_terminated:
+                return "stop", None
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop", None
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            return "stop", token_id
+        before = len(self.detokenizer.text)
+        self.detokenizer.append(token_id)
+        if self.stops and seq.num_output_tokens >= params.min_tokens:
+            found = find_stop(self.detokenizer.text, self.stops, before - self.max_stop_len + 1)
+            if found is not None:
+                self.final_text = self.detokenizer.text[: found[0]]
+                return "stop", found[1]
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    def visible_text(self) -> str:
+        if self.final_text is not None:
+            return self.final_text
+        text = self.detokenizer.text
+        if self.seq.is_finished or not self.stops:
+            return text
+        return text[: len(text) - holdback_length(text, self.stops)]
+
+    def make_output(self) -> RequestOutput:
+        seq = self.seq
+        text = self.visible_text()
+        delta_text = text[self.num_emitted_chars :]
+        delta_ids = seq.output_token_ids[self.num_emitted_tokens :]
+        self.num_emitted_chars, self.num_emitted_tokens = len(text), seq.num_output_tokens
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            stop_reason=seq.stop_reason,
+        )
