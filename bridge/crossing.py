@@ -87,7 +87,8 @@ def import_tensor(t: torch.Tensor, caps: DeviceCapabilities, *, owned: bool, fie
     """One torch tensor -> MLX array. Returns (array, is_zero_copy). Caller holds the lock."""
     mx = mlx_core()
     check_dtype(t.dtype, caps, field)
-    source = t.detach()
+    # DLPack ignores torch's lazy conjugate/negative bits: resolve them or MLX reads raw data.
+    source = t.detach().resolve_conj().resolve_neg()
     if caps.import_zero_copy and not owned:
         count(imports=1, zero_copy_imports=1)
         return mx.asarray(source, copy=False), True

@@ -49,6 +49,16 @@ def test_roundtrip_every_supported_dtype_is_lossless(t):
     assert via_call.dtype == t.dtype and via_call.tolist() == t.tolist()
 
 
+def test_lazy_conjugate_and_odd_layouts_cross_by_value():
+    z = torch.tensor([1 + 2j, -3 - 4j], dtype=torch.complex64)
+    base = torch.arange(24.0).reshape(4, 6)
+    cases = [z.conj(), z.conj().imag, base.T, base[1:3, ::2], torch.tensor(5.0), base[:0]]
+    for t in cases:
+        out = bridge.mlx_call(lambda a: a + 0, t)
+        assert out.shape == t.shape and out.tolist() == t.resolve_conj().resolve_neg().tolist()
+        assert bridge.torch_to_mlx(t).tolist() == t.resolve_conj().resolve_neg().tolist()
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.complex128, torch.float8_e4m3fn], ids=["complex128", "float8_e4m3fn"]
 )
