@@ -1,0 +1,138 @@
+"""Benchmark what one Torch <-> MLX crossing costs, against tensor size (1 KB .. 256 MB).
+
+Every MLX-substituted op pays a crossing, so this is the price list ops are judged against.
+For each float32 payload size it times, interleaved on the same tensors:
+
+  torch_clone     torch `t.clone()`: one memcpy of the payload (the copy-cost yardstick)
+  import          `bridge.torch_to_mlx(t)`: owned, evaluated MLX copy
+  export          `bridge.mlx_to_torch(a)` of an evaluated MLX array (zero-copy on CPU)
+  call_identity   `bridge.mlx_call(lambda a: a, t)`: fence + import + eval + export
+  torch_rms_norm  `F.rms_norm(x, (H,), w)` in torch, x = the payload as [rows, H], H <= 4096
+  call_rms_norm   `bridge.mlx_call(mx.fast.rms_norm, x, w, eps)` on the same x, w
+
+Within one size the methods run in forward order on even repeats and reverse order on odd
+repeats (the machine is shared: both orders, interleaved); figures are medians over repeats.
+Copy counts and bytes copied per call come from `bridge.stats()` (reset around each call).
+Prints a markdown table: median microseconds, ratio to torch_clone (or to torch_rms_norm for
+call_rms_norm), copies/evals/fences per call, and effective GB/s over the payload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bridge  # noqa: E402
+
+METHODS = ("torch_clone", "import", "export", "call_identity", "torch_rms_norm", "call_rms_norm")
+
+
+def sizes_bytes(min_kb: int, max_mb: int) -> list[int]:
+    """Powers of four from min_kb KiB up to max_mb MiB."""
+    sizes, size = [], min_kb * 1024
+    while size <= max_mb * 1024 * 1024:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def build_cases(nbytes: int, mx):
+    numel = nbytes // 4
+    hidden = min(4096, numel)
+    t = torch.randn(numel)
+    x = t.view(numel // hidden, hidden)  # [rows, H]
+    w = torch.rand(hidden) + 0.5
+    a = mx.random.normal((numel,))
+    mx.eval(a)
+    eps = 1e-6
+    return {
+        "torch_clone": lambda: t.clone(),
+        "import": lambda: bridge.torch_to_mlx(t),
+        "export": lambda: bridge.mlx_to_torch(a, "cpu"),
+        "call_identity": lambda: bridge.mlx_call(lambda v: v, t),
+        "torch_rms_norm": lambda: torch.nn.functional.rms_norm(x, (hidden,), w, eps),
+        "call_rms_norm": lambda: bridge.mlx_call(mx.fast.rms_norm, x, w, eps),
+    }
+
+
+def time_once(fn) -> tuple[float, bridge.BridgeStats]:
+    bridge.reset_stats()
+    start = time.perf_counter()
+    out = fn()
+    elapsed = time.perf_counter() - start
+    del out
+    return elapsed, bridge.stats()
+
+
+def bench_size(nbytes: int, repeats: int, mx) -> dict[str, tuple[float, bridge.BridgeStats]]:
+    cases = build_cases(nbytes, mx)
+    for fn in cases.values():  # warm-up: first-touch page faults, MLX kernel setup
+        fn()
+    samples: dict[str, list[float]] = {m: [] for m in METHODS}
+    counters: dict[str, bridge.BridgeStats] = {}
+    for r in range(repeats):
+        order = METHODS if r % 2 == 0 else tuple(reversed(METHODS))
+        for m in order:
+            elapsed, s = time_once(cases[m])
+            samples[m].append(elapsed)
+            counters[m] = s
+    return {m: (statistics.median(samples[m]), counters[m]) for m in METHODS}
+
+
+def fmt_size(nbytes: int) -> str:
+    return f"{nbytes // (1024 * 1024)} MB" if nbytes >= 1024 * 1024 else f"{nbytes // 1024} KB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--min-kb", type=int, default=1, help="smallest payload in KiB (default 1)")
+    parser.add_argument(
+        "--max-mb", type=int, default=256, help="largest payload in MiB (default 256)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="timed repeats per method and size (default 7)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch.set_num_threads (0 = leave as is)"
+    )
+    args = parser.parse_args(argv)
+    if args.min_kb < 1 or args.max_mb < 1 or args.repeats < 1:
+        parser.error("--min-kb, --max-mb and --repeats must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import mlx.core as mx
+
+    caps = bridge.capabilities()["cpu"]
+    print(
+        f"# bridge crossing cost: {platform.machine()} {sys.platform}, torch {torch.__version__}, "
+        f"MLX {mx.__version__}, torch threads {torch.get_num_threads()}, repeats {args.repeats}\n"
+        f"# cpu capabilities: import_zero_copy={caps.import_zero_copy}, "
+        f"export_zero_copy={caps.export_zero_copy}, fence={caps.fence}\n"
+    )
+    print("| size | method | median us | ratio | copies | bytes copied | evals | fences | GB/s |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for nbytes in sizes_bytes(args.min_kb, args.max_mb):
+        results = bench_size(nbytes, args.repeats, mx)
+        for m in METHODS:
+            seconds, s = results[m]
+            base = results["torch_rms_norm" if m == "call_rms_norm" else "torch_clone"][0]
+            print(
+                f"| {fmt_size(nbytes)} | {m} | {seconds * 1e6:.1f} | {seconds / base:.2f} | "
+                f"{s.copies} | {s.bytes_copied} | {s.evals} | {s.fences} | "
+                f"{nbytes / seconds / 1e9:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
