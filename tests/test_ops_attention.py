@@ -1,0 +1,178 @@
+"""ops.attention against a brute-force float64 softmax reference, one query row at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ops.attention import KeyLayout, attention
+
+D = 8
+
+
+def brute_force(q, k, v, q_positions, k_positions, valid, sm_scale, sinks, window):
+    """Visibility listed key by key in plain Python from the contract's rule; softmax in fp64."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    q_pos, k_pos, is_valid = q_positions.tolist(), k_positions.tolist(), valid.tolist()
+    visible = torch.tensor(
+        [
+            [
+                [
+                    is_valid[b][j] and kp <= p and (window is None or kp > p - window)
+                    for j, kp in enumerate(k_pos[b])
+                ]
+                for p in q_pos[b]
+            ]
+            for b in range(q.shape[0])
+        ]
+    )[:, None]  # [B, 1, N, S]
+    kk = k.repeat_interleave(group, dim=1)  # [B, Hq, S, D]
+    vv = v.repeat_interleave(group, dim=1)
+    logits = (q @ kk.transpose(-1, -2) * sm_scale).masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.double()[None, :, None, None].expand(*logits.shape[:3], 1)
+        logits = torch.cat([logits, sink_col], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., : k.shape[2]]  # [B, Hq, N, S], sink dropped
+    probs = torch.nan_to_num(probs)  # rows with no visible key and no sink: no reference value
+    return probs @ vv
+
+
+def _qkv(batch, num_heads, num_kv_heads, n, s, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, num_heads, n, D, generator=gen, dtype=dtype)
+    k = torch.randn(batch, num_kv_heads, s, D, generator=gen, dtype=dtype)
+    v = torch.randn(batch, num_kv_heads, s, D, generator=gen, dtype=dtype)
+    sinks = torch.randn(num_heads, generator=gen, dtype=dtype)
+    return q, k, v, sinks
+
+
+WINDOWS = [None, 1, 8, 128]
+GQA = [1, 4, 8]
+QUERY_LENS = [1, 7, 300]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("has_sinks", [False, True])
+@pytest.mark.parametrize("group", GQA)
+@pytest.mark.parametrize("n", QUERY_LENS)
+@pytest.mark.parametrize("prefix", [0, 37])
+def test_attention_matches_brute_force_for_chunk_after_cached_prefix(
+    window, has_sinks, group, n, prefix
+):
+    q, k, v, sinks = _qkv(1, group, 1, n, prefix + n, seed=n + prefix + group)
+    sinks = sinks if has_sinks else None
+    q_positions = torch.arange(prefix, prefix + n)[None]
+    k_positions = torch.arange(prefix + n)[None]
+    valid = torch.ones(1, prefix + n, dtype=torch.bool)
+    want = brute_force(q, k, v, q_positions, k_positions, valid, 0.35, sinks, window)
+    if prefix == 0:
+        got = attention(q, k, v, q_positions, None, sm_scale=0.35, sinks=sinks, window=window)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    for is_tail in (False, True):
+        layout = KeyLayout.contiguous(torch.tensor([prefix + n]), is_causal_tail=is_tail)
+        got = attention(q, k, v, q_positions, layout, sm_scale=0.35, sinks=sinks, window=window)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("has_sinks", [False, True])
+def test_batched_decode_rows_with_different_cache_lengths_and_offsets(window, has_sinks):
+    # row 0: full cache of 140; row 1: 9 keys; row 2: windowed cache whose key 0 is position 100
+    kv_lens = torch.tensor([140, 9, 12])
+    k_offsets = torch.tensor([0, 0, 100])
+    q_positions = (k_offsets + kv_lens - 1)[:, None]  # [B, 1]
+    q, k, v, sinks = _qkv(3, 8, 2, 1, 140, seed=3)
+    sinks = sinks if has_sinks else None
+    layout = KeyLayout(k_offsets, kv_lens)
+    got = attention(q, k, v, q_positions, layout, sm_scale=0.2, sinks=sinks, window=window)
+    k_positions = k_offsets[:, None] + torch.arange(140)
+    valid = torch.arange(140) < kv_lens[:, None]
+    want = brute_force(q, k, v, q_positions, k_positions, valid, 0.2, sinks, window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_rows_with_no_visible_key_give_finite_output():
+    q, k, v, _ = _qkv(2, 4, 2, 3, 6)
+    layout = KeyLayout(torch.tensor([0, 0]), torch.tensor([6, 0]))  # row 1: pure padding
+    q_positions = torch.tensor([[3, 4, 5], [0, 0, 0]])
+    out = attention(q, k, v, q_positions, layout, sm_scale=0.5)
+    assert torch.isfinite(out).all()
+    want = brute_force(
+        q,
+        k,
+        v,
+        q_positions,
+        torch.arange(6).expand(2, 6),
+        layout.kv_lens[:, None] > torch.arange(6),
+        0.5,
+        None,
+        None,
+    )
+    torch.testing.assert_close(out[0].double(), want[0], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_output_dtype_and_accuracy():
+    q, k, v, sinks = _qkv(1, 4, 2, 7, 20, dtype=torch.bfloat16)
+    layout = KeyLayout.contiguous(torch.tensor([20]))
+    q_positions = torch.arange(13, 20)[None]
+    out = attention(q, k, v, q_positions, layout, sm_scale=0.35, sinks=sinks, window=8)
+    assert out.dtype == torch.bfloat16
+    want = brute_force(
+        q,
+        k,
+        v,
+        q_positions,
+        torch.arange(20)[None],
+        torch.ones(1, 20, dtype=torch.bool),
+        0.35,
+        sinks,
+        8,
+    )
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_non_contiguous_inputs_match_contiguous():
+    # the model's q is usually a transpose of [B, N, H, D]
+    q, k, v, sinks = _qkv(2, 4, 2, 5, 5)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)
+    k_t = k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not q_t.is_contiguous()
+    positions = torch.arange(5).expand(2, 5)
+    a = attention(q, k, v, positions, None, sm_scale=0.3, sinks=sinks, window=2)
+    b = attention(q_t, k_t, v, positions, None, sm_scale=0.3, sinks=sinks, window=2)
+    torch.testing.assert_close(a, b)
+
+
+def test_mask_is_built_once_per_step_and_window():
+    q, k, v, _ = _qkv(2, 4, 2, 1, 10)
+    layout = KeyLayout(torch.tensor([0, 0]), torch.tensor([10, 4]))
+    q_positions = torch.tensor([[9], [3]])
+    m1 = layout.mask(q_positions, 10, 4)
+    assert layout.mask(q_positions, 10, 4) is m1
+    assert layout.mask(q_positions, 10, None) is not m1
+    attention(q, k, v, q_positions, layout, sm_scale=0.3, window=4)
+    assert layout.mask(q_positions, 10, 4) is m1
+
+
+@pytest.mark.parametrize(
+    ("shape_q", "shape_k", "positions", "match"),
+    [
+        ((1, 4, 3, D), (1, 3, 3, D), (1, 3), "Hkv=3 must divide Hq=4"),
+        ((1, 4, 3, D), (1, 2, 3, D), (1, 2), "q_positions must be"),
+        ((1, 4, 3, D), (1, 2, 5, D), (1, 3), "S must equal N"),
+    ],
+)
+def test_bad_shapes_name_the_field(shape_q, shape_k, positions, match):
+    q, k = torch.randn(shape_q), torch.randn(shape_k)
+    with pytest.raises(ValueError, match=match):
+        attention(q, k, k, torch.zeros(positions, dtype=torch.long), None, sm_scale=1.0)
+
+
+def test_bad_window_and_sinks_name_the_field():
+    q = torch.randn(1, 4, 3, D)
+    pos = torch.arange(3)[None]
+    with pytest.raises(ValueError, match="window must be None or >= 1"):
+        attention(q, q, q, pos, None, sm_scale=1.0, window=0)
+    with pytest.raises(ValueError, match=r"sinks must be \[Hq\]"):
+        attention(q, q, q, pos, None, sm_scale=1.0, sinks=torch.zeros(3))
