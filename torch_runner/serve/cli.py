@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Per-step prefill token budget; 0 disables chunking. Default: %(default)s.",
     )
     engine.add_argument(
+        "--disable-prefix-caching",
+        action="store_true",
+        help="Turn the radix prefix cache off (finished requests then keep no KV blocks).",
+    )
+    engine.add_argument(
         "--random-seed",
         type=int,
         default=d["random_seed"],
@@ -164,6 +169,7 @@ def engine_config(args: argparse.Namespace):
         mem_fraction=args.mem_fraction,
         chunked_prefill_size=args.chunked_prefill_size,
         random_seed=args.random_seed,
+        enable_prefix_caching=not args.disable_prefix_caching,
         enable_deterministic_inference=args.enable_deterministic_inference,
         load_format=args.load_format,
         max_waiting=args.max_waiting,

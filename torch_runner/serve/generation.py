@@ -95,15 +95,13 @@ def apply_output(choice: Choice, output: Any, now: float) -> Increment:
     return Increment(choice, delta_text, delta_ids, delta_entries)
 
 
-def is_over_capacity(exc: BaseException) -> bool:
-    """The engine's bounded queue refused the request (matched by name: no import cycle)."""
-    return any("capacity" in cls.__name__.lower() for cls in type(exc).__mro__)
-
-
 def engine_error(exc: Exception) -> APIError:
+    """Map what `AsyncEngine.generate` raises to the client's error; re-raise anything else."""
+    from torch_runner.async_engine import EngineOverCapacityError  # lazy: keeps `import` light
+
     if isinstance(exc, APIError):
         return exc
-    if is_over_capacity(exc):
+    if isinstance(exc, EngineOverCapacityError):
         return OverCapacityError(
             str(exc) or "server is over capacity; retry later", code="over_capacity"
         )

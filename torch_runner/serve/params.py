@@ -20,18 +20,17 @@ SEED_MODULUS = 2**64
 def structured_spec(response_format: dict[str, Any] | None) -> Any:
     """Map `response_format` to the engine's structured-output spec (None = free text).
 
-    `{"type": "text"}` is plain text. Anything else waits for the structured-output work and is
-    rejected, never silently ignored.
+    The accepted shapes and their validation live in `torch_runner.grammar_format`; a bad
+    schema, regex or grammar is a 400 carrying xgrammar's message.
     """
     if response_format is None:
         return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    raise InvalidRequestError(
-        f"response_format type {kind!r} is not supported yet; allowed values: 'text'",
-        param="response_format",
-    )
+    from torch_runner.grammar_format import spec_from_response_format  # imports xgrammar
+
+    try:
+        return spec_from_response_format(response_format)
+    except ValueError as exc:
+        raise param_error(exc) from None
 
 
 def parse_logit_bias(

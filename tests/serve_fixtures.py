@@ -1,0 +1,130 @@
+"""A real `python -m torch_runner.serve` process on a free 127.0.0.1 port, over a tiny checkpoint.
+
+The checkpoint is the tiny seeded Llama from tiny_models.py with the engine tests' byte-level
+tokenizer (token id == byte value, so every logprob's `bytes` names its token id exactly) plus a
+small ChatML-like chat template. Its context is widened so a long generation outlives a client
+that disconnects.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from engine_helpers import byte_tokenizer
+from tiny_models import build_tiny_model
+
+API_KEY = "test-key"
+MODEL_NAME = "tiny-llama"
+MAX_POSITIONS = 2048
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def save_serve_checkpoint(directory: Path, seed: int = 0):
+    """Tiny Llama + byte tokenizer with a chat template; returns (path, HF reference model)."""
+    model = build_tiny_model("llama", seed=seed, max_position_embeddings=MAX_POSITIONS)
+    model.save_pretrained(directory)
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory, model
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m torch_runner.serve ...` in a subprocess, ready once /health answers."""
+
+    def __init__(self, model_dir: Path, *extra_args: str, startup_timeout: float = 180.0):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = model_dir.parent / f"server-{self.port}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_RUNNER_")}
+        args = [
+            sys.executable,
+            "-m",
+            "torch_runner.serve",
+            "--model",
+            str(model_dir),
+            "--device",
+            "cpu",
+        ]
+        args += [
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            MODEL_NAME,
+            "--log-level",
+            "warning",
+            *extra_args,
+        ]
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
+        self.process = subprocess.Popen(
+            args, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.process.returncode}:\n{self.output()}"
+                )
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def metric_values(base_url: str) -> dict[str, float]:
+    """Unlabelled samples of /metrics (the engine gauges), parsed as Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if not s.labels
+    }
+
+
+def wait_for_metrics(base_url: str, predicate, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    values = metric_values(base_url)
+    while not predicate(values) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        values = metric_values(base_url)
+    return values
