@@ -127,21 +127,29 @@ def _mps_usable(mx) -> bool:
     )
 
 
+def capability_table() -> dict[str, DeviceCapabilities]:
+    """The live table (no copy): probed once, then a plain dict read on every crossing."""
+    global _capability_table
+    table = _capability_table
+    if table is not None:
+        return table
+    with BRIDGE_LOCK:
+        if _capability_table is None:
+            mx = mlx_core()
+            probed = {"cpu": _probe_cpu(mx)}
+            if _mps_usable(mx):
+                probed["mps"] = DeviceCapabilities("mps", "gpu", True, True, FENCE_MPS, False)
+            _capability_table = probed
+        return _capability_table
+
+
 def capabilities() -> dict[str, DeviceCapabilities]:
     """Per torch device type usable with MLX here: zero-copy import/export, fence, float64.
 
     `cpu` is always present; `mps` only where torch MPS and MLX Metal are both available.
     Any other device (cuda, meta, xpu) cannot cross the bridge.
     """
-    global _capability_table
-    with BRIDGE_LOCK:
-        if _capability_table is None:
-            mx = mlx_core()
-            table = {"cpu": _probe_cpu(mx)}
-            if _mps_usable(mx):
-                table["mps"] = DeviceCapabilities("mps", "gpu", True, True, FENCE_MPS, False)
-            _capability_table = table
-        return dict(_capability_table)
+    return dict(capability_table())
 
 
 def set_capabilities(table: dict[str, DeviceCapabilities] | None) -> None:

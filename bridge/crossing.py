@@ -12,7 +12,7 @@ import torch
 from bridge.bridge_state import (
     FENCE_NONE,
     DeviceCapabilities,
-    capabilities,
+    capability_table,
     count,
     mlx_core,
     run_fence,
@@ -41,7 +41,7 @@ def dtype_names() -> str:
 
 
 def caps_for(device: torch.device, field: str) -> DeviceCapabilities:
-    table = capabilities()
+    table = capability_table()
     caps = table.get(device.type)
     if caps is not None:
         return caps
@@ -83,10 +83,9 @@ def stream_for(mx, caps: DeviceCapabilities, dtype=None):
     return mx.cpu if caps.mlx_device == "cpu" else mx.gpu
 
 
-def import_tensor(t: torch.Tensor, caps: DeviceCapabilities, *, owned: bool, field: str):
-    """One torch tensor -> MLX array. Returns (array, is_zero_copy). Caller holds the lock."""
+def import_tensor(t: torch.Tensor, caps: DeviceCapabilities, *, owned: bool):
+    """One checked torch tensor -> MLX array. Returns (array, is_zero_copy)."""
     mx = mlx_core()
-    check_dtype(t.dtype, caps, field)
     # DLPack ignores torch's lazy conjugate/negative bits: resolve them or MLX reads raw data.
     source = t.detach().resolve_conj().resolve_neg()
     if caps.import_zero_copy and not owned:
@@ -142,8 +141,10 @@ def export_all(arrays: list, target: torch.device, caps: DeviceCapabilities) -> 
     return [export_array(a, target, caps) for a in arrays]
 
 
-def fence_once(devices: list[torch.device]) -> None:
-    kinds = {caps_for(d, "device").fence for d in devices} - {FENCE_NONE}
-    for kind in sorted(kinds):  # one kind (mps) exists today: one fence per crossing
+def fence_once(caps_list) -> None:
+    """ONE producer fence for every input of a crossing (none when all inputs are CPU)."""
+    kinds = {caps.fence for caps in caps_list}
+    kinds.discard(FENCE_NONE)
+    for kind in sorted(kinds):  # one kind (mps) exists today: at most one fence per crossing
         run_fence(kind)
         count(fences=1)

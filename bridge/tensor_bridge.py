@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from bridge.bridge_state import BRIDGE_LOCK, count, mlx_core
+from bridge.bridge_state import BRIDGE_LOCK, DeviceCapabilities, capability_table, count, mlx_core
 from bridge.crossing import (
+    CROSSING_DTYPES,
     as_device,
     caps_for,
     check_dtype,
@@ -83,13 +84,12 @@ def borrow_torch_tensors(
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tensors[{i}] is {type(t).__name__}; expected torch.Tensor")
             check_dtype(t.dtype, caps_for(t.device, f"tensors[{i}].device"), f"tensors[{i}]")
+        caps_list = [caps_for(t.device, "device") for t in tensors]
         if synchronize:
-            fence_once([t.device for t in tensors])
+            fence_once(caps_list)
         views = []
-        for i, t in enumerate(tensors):
-            array, zero_copy = import_tensor(
-                t, caps_for(t.device, "device"), owned=False, field=f"tensors[{i}]"
-            )
+        for t, caps in zip(tensors, caps_list):
+            array, zero_copy = import_tensor(t, caps, owned=False)
             views.append(MlxTensorView(t.detach(), array, zero_copy))
         return tuple(views)
 
@@ -101,8 +101,8 @@ def torch_to_mlx(t: torch.Tensor):
             raise TypeError(f"t is {type(t).__name__}; expected torch.Tensor")
         caps = caps_for(t.device, "t.device")
         check_dtype(t.dtype, caps, "t")
-        fence_once([t.device])
-        array, _ = import_tensor(t, caps, owned=True, field="t")
+        fence_once([caps])
+        array, _ = import_tensor(t, caps, owned=True)
         mlx_core().eval(array)
         count(evals=1)
         return array
@@ -119,43 +119,50 @@ def mlx_to_torch(array, device: str | torch.device = "cpu") -> torch.Tensor:
         return export_all([array], target, caps)[0]
 
 
-def _tensor_of(value) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, MlxTensorView):
-        return value.tensor
-    return None
+def _slot_name(slot: int | str) -> str:
+    return f"args[{slot}]" if isinstance(slot, int) else slot
+
+
+def _checked_caps(t: torch.Tensor, slot: int | str, table: dict) -> DeviceCapabilities:
+    caps = table.get(t.device.type)
+    if (
+        caps is None
+        or t.dtype not in CROSSING_DTYPES
+        or (t.dtype == torch.float64 and not caps.supports_float64)
+    ):  # slow path only builds the error message naming the argument
+        name = _slot_name(slot)
+        check_dtype(t.dtype, caps_for(t.device, f"{name}.device"), name)
+    return caps
 
 
 def _run(op: Callable, args: tuple, kwargs: dict, device, multi: bool) -> list[torch.Tensor]:
     mx = mlx_core()
     with BRIDGE_LOCK:
+        table = capability_table()
         # Every check comes before the fence: bad input costs no device work.
         target = None if device is None else as_device(device, "device")
         target_caps = None if target is None else caps_for(target, "device")
-        named = [(f"args[{i}]", a) for i, a in enumerate(args)]
-        named += [(f"{k}", v) for k, v in kwargs.items()]
-        inputs = [(name, _tensor_of(v)) for name, v in named if _tensor_of(v) is not None]
-        for name, t in inputs:
-            check_dtype(t.dtype, caps_for(t.device, f"{name}.device"), name)
-        if target is None:  # default: the first tensor's device, cpu when there is none
-            target = inputs[0][1].device if inputs else torch.device("cpu")
-            target_caps = caps_for(target, "device")
-        fence_once([t.device for _, t in inputs])
-        borrowed: list = []  # kept alive until every output is exported
-
-        def to_mlx(name, value):
-            if isinstance(value, MlxTensorView):
-                return value.array
+        slots = [*enumerate(args), *kwargs.items()]
+        inputs = []  # (slot, tensor or view, caps)
+        for slot, value in slots:
             if isinstance(value, torch.Tensor):
-                caps = caps_for(value.device, "device")
-                array, _ = import_tensor(value, caps, owned=False, field=name)
-                borrowed.append((value, array))
-                return array
-            return value
-
-        mx_args = [to_mlx(name, a) for name, a in named[: len(args)]]
-        mx_kwargs = {k: to_mlx(k, v) for k, v in kwargs.items()}
+                inputs.append((slot, value, _checked_caps(value, slot, table)))
+            elif isinstance(value, MlxTensorView):
+                inputs.append((slot, value, _checked_caps(value.tensor, slot, table)))
+        if target is None:  # default: the first tensor's device, cpu when there is none
+            first = inputs[0][1] if inputs else None
+            first = first.tensor if isinstance(first, MlxTensorView) else first
+            target = first.device if first is not None else torch.device("cpu")
+            target_caps = caps_for(target, "device")
+        fence_once([caps for _, _, caps in inputs])
+        arrays: dict[int | str, Any] = {}  # borrowed: kept alive until every output is exported
+        for slot, value, caps in inputs:
+            if isinstance(value, MlxTensorView):
+                arrays[slot] = value.array
+            else:
+                arrays[slot] = import_tensor(value, caps, owned=False)[0]
+        mx_args = [arrays.get(i, a) for i, a in enumerate(args)]
+        mx_kwargs = {k: arrays.get(k, v) for k, v in kwargs.items()}
         with mx.stream(stream_for(mx, target_caps)):
             result = op(*mx_args, **mx_kwargs)
         if multi:
@@ -171,7 +178,7 @@ def _run(op: Callable, args: tuple, kwargs: dict, device, multi: bool) -> list[t
                 )
             outputs = [result]
         exported = export_all(outputs, target, target_caps)
-        borrowed.clear()  # inputs may be released only now, after export
+        arrays.clear()  # borrowed inputs may be released only now, after export
         return exported
 
 
