@@ -97,7 +97,8 @@ def position_mask(
     return allowed[:, None]
 
 
-def _check(q, k, v, q_positions, layout, window, sinks) -> None:
+def check_attention_args(q, k, v, q_positions, layout, window, sinks) -> None:
+    """Shape and argument checks shared by every attention backend; errors name the field."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"attention: q, k, v must be 4-D [B, H, N|S, D]; got q{tuple(q.shape)}, "
@@ -148,7 +149,7 @@ def attention(
     head, dropped after the softmax. Returns [B, Hq, N, D] in q's dtype; fully masked rows
     (padding) give finite output.
     """
-    _check(q, k, v, q_positions, layout, window, sinks)
+    check_attention_args(q, k, v, q_positions, layout, window, sinks)
     n, num_keys = q.shape[2], k.shape[2]
     is_gqa = q.shape[1] != k.shape[1]
     if layout is None:
