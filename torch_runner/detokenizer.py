@@ -47,6 +47,15 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def flush(self) -> str:
+        """At the end: emit whatever is left, incomplete characters included (as U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
 
 def find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
     """Earliest (index, stop string) occurring in `text` at or after `search_from`."""

@@ -170,7 +170,7 @@ class Engine:
 
         spec = params.structured
         return compiler_for(self.tokenizer, self.vocab_size).new_request_grammar(
-            spec.kind, spec.spec
+            spec.kind, spec.spec, stop_token_ids=self.eos_token_ids
         )
 
     def _grammar_rows(self, chunks):
@@ -205,11 +205,14 @@ class Engine:
         result = self.runner.execute(out.chunks, self._grammar_rows)
         self.scheduler.advance(out)
         if self.prefix_cache is not None:
+            # every prompt chunk publishes its blocks (SWA models: with a window snapshot), so
+            # concurrent and later requests can hit at chunk granularity
             for chunk in out.chunks:
-                seq = chunk.seq
-                if not seq.is_prompt_cached and chunk.end >= seq.num_prompt_tokens:
-                    self.scheduler.cache_prefix(seq, self._payload(seq))
-                    seq.is_prompt_cached = True
+                if (
+                    chunk.start < chunk.seq.num_prompt_tokens
+                    and chunk.end >= self.config.block_size
+                ):
+                    self.scheduler.cache_prefix(chunk.seq, self._payload(chunk.seq))
         outputs = []
         for i, (rid, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             state = self.requests[rid]

@@ -44,10 +44,14 @@ class RequestState:
     def request_id(self) -> str:
         return self.seq.request_id
 
-    def append(
-        self, token_id: int, logprob: float | None, top: list | None
-    ) -> tuple[str, Any] | None:
+    def append(self, token_id: int, logprob: float | None, top: list | None):
         """Record one sampled token; returns (finish_reason, stop_reason) when the request ends."""
+        finish = self._check(token_id, logprob, top)
+        if finish is not None and self.final_text is None:
+            self.detokenizer.flush()
+        return finish
+
+    def _check(self, token_id: int, logprob: float | None, top: list | None):
         seq, params = self.seq, self.params
         seq.append_token(token_id)
         if self.logprobs is not None and logprob is not None:

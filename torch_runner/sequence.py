@@ -42,7 +42,6 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.is_prompt_cached = False  # prompt blocks already inserted into the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:
