@@ -128,3 +128,56 @@ def wait_for_metrics(base_url: str, predicate, timeout: float = 30.0) -> dict[st
         time.sleep(0.1)
         values = metric_values(base_url)
     return values
+
+
+class ThreadedServer:
+    """The same app on a real socket, served by uvicorn in a thread of the test process.
+
+    Cheaper than a subprocess (torch and transformers are already imported), and still real
+    HTTP: disconnects, chunked bodies and headers behave as in production.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        api_key: str | None = API_KEY,
+        max_body_bytes: int = 8 << 20,
+        **engine_kwargs,
+    ):
+        import threading
+
+        import uvicorn
+
+        from torch_runner import AsyncEngine, Engine
+        from torch_runner.serve.app import create_app
+        from torch_runner.serve.server import serving_state
+
+        self.engine = Engine(model=str(model_dir), device="cpu", **engine_kwargs)
+        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine.start()
+        state = serving_state(
+            self.engine,
+            self.async_engine,
+            model_name=MODEL_NAME,
+            api_key=api_key,
+            max_body_bytes=max_body_bytes,
+        )
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            create_app(state), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+        self.async_engine.shutdown()

@@ -35,11 +35,30 @@ def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str)
     )
 
 
+def serving_state(
+    engine: Any, async_engine: Any, *, model_name: str, api_key: str | None, max_body_bytes: int
+):
+    """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`."""
+    from torch_runner import SamplingParams
+
+    return ServingState(
+        engine=async_engine,
+        tokenizer=engine.tokenizer,
+        model_name=model_name,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        params_cls=SamplingParams,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+    )
+
+
 def run_server(args: argparse.Namespace, config: Any) -> None:
+    """Load the engine (after the CLI's MLX gate), print the banner, serve until interrupted."""
     import uvicorn
 
     import ops
-    from torch_runner import AsyncEngine, Engine, SamplingParams
+    from torch_runner import AsyncEngine, Engine
     from torch_runner.serve.app import create_app
 
     try:
@@ -50,13 +69,10 @@ def run_server(args: argparse.Namespace, config: Any) -> None:
     async_engine = AsyncEngine(engine)
     async_engine.start()
     try:
-        state = ServingState(
-            engine=async_engine,
-            tokenizer=engine.tokenizer,
+        state = serving_state(
+            engine,
+            async_engine,
             model_name=served_name(args, engine),
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.vocab_size,
-            params_cls=SamplingParams,
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
         )
