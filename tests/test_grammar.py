@@ -131,17 +131,20 @@ def test_compiled_grammars_are_cached_per_kind_and_text(tokenizer):
     cache = GrammarCompilerCache(tokenizer, VOCAB, max_entries=2)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     first = cache.compile("json_schema", schema)
-    # Same schema as text with other key order and spacing: same entry.
+    # Same schema as indented text: same entry. Another property order is another grammar.
     assert cache.compile("json_schema", json.dumps(schema, indent=2)) is first
     assert cache.num_compiles == 1
+    reordered = {"type": "object", "properties": {"b": {"type": "string"}, **schema["properties"]}}
+    assert cache.compile("json_schema", reordered) is not first
+    assert cache.num_compiles == 2
     regex = cache.compile("regex", "a+")
     assert cache.compile("ebnf", 'root ::= "a"') is not regex
-    assert cache.num_compiles == 3 and len(cache) == 2
+    assert cache.num_compiles == 4 and len(cache) == 2
     # LRU: the schema was least recently used and is recompiled; the regex was evicted after.
     cache.compile("json_schema", schema)
-    assert cache.num_compiles == 4
+    assert cache.num_compiles == 5
     cache.compile("ebnf", 'root ::= "a"')
-    assert cache.num_compiles == 4
+    assert cache.num_compiles == 5
 
 
 def test_compiler_is_shared_per_tokenizer(tokenizer):
@@ -278,3 +281,13 @@ def test_cuda_bitmask_is_pinned_and_rows_on_device(compilers):
     assert masker.bitmask.is_pinned()
     (row,) = masker.build_edit_rows([compilers.new_request_grammar("regex", "a+")])
     assert row.device.type == "cuda"
+
+
+def test_engine_stop_tokens_replace_the_tokenizers(tokenizer, compilers):
+    grammar = compilers.new_request_grammar("regex", "yes|no", stop_token_ids=[0, 5])
+    for token in tokenizer.encode("no"):
+        assert grammar.accept_token(token)
+    (row,) = GrammarMasker(VOCAB, "cpu").build_edit_rows([grammar])
+    assert torch.nonzero(row == 0).flatten().tolist() == [0, 5]
+    assert not grammar.accept_token(tokenizer.eos_token_id)
+    assert grammar.accept_token(5) and grammar.is_terminated

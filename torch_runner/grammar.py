@@ -18,6 +18,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -60,10 +61,10 @@ def check_kind(kind: str) -> str:
 
 
 def normalize_spec(kind: str, spec: Any) -> str:
-    """Canonical text for a spec: JSON schemas as sorted compact JSON, others verbatim.
+    """Canonical text for a spec: JSON schemas as compact JSON, others verbatim.
 
-    A schema given as a dict (the server's pydantic model) and the same schema as a string hit the
-    same cache entry.
+    A schema given as a dict (the server's pydantic model) and the same schema as text hit the
+    same cache entry. Keys keep their order: properties are generated in the schema's order.
     """
     check_kind(kind)
     if kind == "json_object":
@@ -76,10 +77,29 @@ def normalize_spec(kind: str, spec: Any) -> str:
                 raise GrammarError(kind, f"schema is not valid JSON: {exc}") from exc
         if not isinstance(spec, dict | bool):
             raise GrammarError(kind, f"schema must be a JSON object, got {type(spec).__name__}")
-        return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        return json.dumps(spec, separators=(",", ":"))
     if not isinstance(spec, str) or not spec:
         raise GrammarError(kind, f"{kind} must be a non-empty string")
     return spec
+
+
+def validate_grammar(kind: str, spec: Any) -> str:
+    """Parse a spec without a tokenizer (sub-millisecond); returns its canonical text.
+
+    The server calls this before a request is queued, so a bad schema, regex or grammar is a 400
+    even on a streaming request; the same xgrammar converters run again when compiling.
+    """
+    text = normalize_spec(kind, spec)
+    try:
+        if kind == "json_schema":
+            xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "ebnf":
+            xgr.Grammar.from_ebnf(text)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise GrammarError(kind, _clean_message(exc)) from exc
+    return text
 
 
 class GrammarCompilerCache:
@@ -149,9 +169,15 @@ class GrammarCompilerCache:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(kind, _clean_message(exc)) from exc
 
-    def new_request_grammar(self, kind: str, spec: Any) -> RequestGrammar:
-        """A fresh matcher for one request."""
-        return RequestGrammar(self.compile(kind, spec), self.vocab_size)
+    def new_request_grammar(
+        self, kind: str, spec: Any, stop_token_ids: Iterable[int] | None = None
+    ) -> RequestGrammar:
+        """A fresh matcher for one request.
+
+        `stop_token_ids` (the engine's EOS set) replaces the tokenizer's own stop tokens as the
+        tokens that end a complete grammar; None keeps the tokenizer's.
+        """
+        return RequestGrammar(self.compile(kind, spec), self.vocab_size, stop_token_ids)
 
 
 class RequestGrammar:
@@ -161,8 +187,14 @@ class RequestGrammar:
     terminates the matcher, which ends the request.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int):
-        self.matcher = xgr.GrammarMatcher(compiled)
+    def __init__(
+        self,
+        compiled: xgr.CompiledGrammar,
+        vocab_size: int,
+        stop_token_ids: Iterable[int] | None = None,
+    ):
+        stops = None if stop_token_ids is None else sorted({int(t) for t in stop_token_ids})
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
         self.vocab_size = vocab_size
         self.num_accepted = 0
 
