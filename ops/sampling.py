@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ops.sampling_batch import RowGroup, SamplingBatch
+from ops.sampling_batch import MAX_BOUNDED_TOP_K, RowGroup, SamplingBatch
 from ops.sampling_hash import gumbel_from_uniform, murmur_hash32, seeded_gumbel
 
 __all__ = ["SampleOutput", "SamplingBatch", "murmur_hash32", "sample"]
@@ -49,12 +49,26 @@ def sample(
     seeded noise). `logprobs` / `top_logprobs` are computed only when some row asked for them
     (then for every row; the caller keeps the rows it needs).
     """
+    check_shapes(logits, batch, positions)
     scaled = process_logits(logits, batch)  # [B, V] fp32, finite or -inf
     if batch.greedy is not None and batch.greedy.rows is None:
         token_ids = scaled.argmax(dim=-1)  # greedy fast path
     else:
         token_ids = _sample_groups(scaled, batch, positions, generator)
     return _with_logprobs(scaled, token_ids, batch)
+
+
+def check_shapes(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> None:
+    """Shapes only (host metadata, no sync): logits [B, V] and positions [B] match the batch."""
+    if logits.dim() != 2 or tuple(logits.shape) != (batch.num_rows, batch.vocab_size):
+        raise ValueError(
+            f"logits has shape {tuple(logits.shape)}; the SamplingBatch was built for "
+            f"[{batch.num_rows}, {batch.vocab_size}]"
+        )
+    if tuple(positions.shape) != (batch.num_rows,):
+        raise ValueError(
+            f"positions has shape {tuple(positions.shape)}; expected [{batch.num_rows}]"
+        )
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -101,7 +115,7 @@ def _sample_groups(scaled, batch: SamplingBatch, positions, generator) -> torch.
             if vocab_ids is None:
                 vocab_ids = torch.arange(batch.vocab_size, device=scaled.device)
             noise = _gumbel(group, positions, vocab_ids, rows.shape, generator)  # [R, V]
-            chosen = (rows + noise).argmax(dim=-1)
+            chosen = noise.add_(rows).argmax(dim=-1)
         else:
             chosen = _sample_filtered(rows, group, batch, positions, generator)
         if group.rows is None:
@@ -115,20 +129,49 @@ def _sample_filtered(
 ) -> torch.Tensor:
     """top-k, top-p (the top token always survives), min-p, then Gumbel-max over survivors."""
     fp = batch.filter_params
+    limits = (fp.top_ks, fp.top_ps, fp.min_ps)
     if fp.width < batch.vocab_size:
-        values, ids = rows.topk(fp.width, dim=-1)  # [F, W], descending
+        return _draw_filtered(rows, group, limits, fp.width, positions, generator)[0]
+    if rows.device.type != "cpu":
+        return _draw_filtered(rows, group, limits, batch.vocab_size, positions, generator)[0]
+    # CPU (where reading a tensor is not a device sync): try the bounded width first. The masks
+    # are monotone in rank, so a row whose last candidate is already dropped has all its
+    # survivors among the candidates: the full sort would give the same token. Only the
+    # other rows pay the full sort.
+    width = min(MAX_BOUNDED_TOP_K, batch.vocab_size)
+    chosen, is_resolved = _draw_filtered(rows, group, limits, width, positions, generator)
+    pending = (~is_resolved).nonzero().flatten()
+    if pending.numel():
+        sub = group.subset(pending)
+        sub_limits = tuple(t.index_select(0, pending) for t in limits)
+        sub_rows = rows.index_select(0, pending)
+        full, _ = _draw_filtered(sub_rows, sub, sub_limits, batch.vocab_size, positions, generator)
+        chosen.index_copy_(0, pending, full)
+    return chosen
+
+
+def _draw_filtered(rows, group: RowGroup, limits, width: int, positions, generator):
+    """Gumbel-max over the `width` best candidates of each row [F, V] after the masks.
+
+    Returns (token ids [F], is_resolved [F]: the last candidate was dropped, so a wider
+    candidate set could not change the survivors).
+    """
+    top_ks, top_ps, min_ps = limits
+    if width < rows.shape[-1]:
+        values, ids = rows.topk(width, dim=-1)  # [F, W], descending
     else:
         values, ids = rows.sort(dim=-1, descending=True, stable=True)  # [F, V]
     lse = _safe_logsumexp(rows)  # [F, 1]
     probs = (values - lse).exp()  # [F, W]
     cum = probs.cumsum(dim=-1)
-    ranks = torch.arange(fp.width, device=rows.device)
-    drop = ranks[None, :] >= fp.top_ks[:, None]
-    drop |= (cum - probs) > fp.top_ps[:, None]
-    drop |= probs < probs[:, :1] * fp.min_ps[:, None]
+    ranks = torch.arange(width, device=rows.device)
+    drop = ranks[None, :] >= top_ks[:, None]
+    drop |= (cum - probs) > top_ps[:, None]
+    drop |= probs < probs[:, :1] * min_ps[:, None]
     keys = values.masked_fill(drop, float("-inf"))
     keys += _gumbel(group, positions, ids, keys.shape, generator)
-    return ids.gather(1, keys.argmax(dim=-1, keepdim=True)).squeeze(1)
+    chosen = ids.gather(1, keys.argmax(dim=-1, keepdim=True)).squeeze(1)
+    return chosen, drop[:, -1]
 
 
 def _gumbel(group: RowGroup, positions, token_ids, shape, generator) -> torch.Tensor:

@@ -310,3 +310,39 @@ def test_mlx_and_torch_pick_same_greedy_and_seeded_tokens():
     a = run(torch_sample, logits, params, positions=list(range(40, 52)), **kwargs)
     b = run(mlx_sample, logits, params, positions=list(range(40, 52)), **kwargs)
     assert torch.equal(a.token_ids, b.token_ids)
+
+
+def test_top_p_rows_beyond_the_candidate_width_match_reference(sample):
+    """Nuclei larger than the 1024 bounded candidates (flat rows) and small ones (peaked rows)
+    mixed in one batch: every seeded row still picks the reference token."""
+    vocab = 3000
+    peaked, flat = (
+        rand_logits(1, vocab, scale=4.0, seed=13)[0],
+        rand_logits(1, vocab, scale=0.1, seed=14)[0],
+    )
+    logits = torch.stack([peaked, flat] * 6)
+    params = [
+        SP(top_p=0.9, seed=r, temperature=0.9, min_p=0.0 if r % 4 else 0.01) for r in range(12)
+    ]
+    probs = torch.softmax(flat / 0.9, -1).sort(descending=True).values
+    assert (probs.cumsum(0) < 0.9).sum() > 1024  # the flat rows' nucleus exceeds the candidates
+    out = run(sample, logits, params, positions=list(range(300, 312)))
+    expected = [reference_seeded_token(logits[r], params[r], r, 300 + r) for r in range(12)]
+    assert out.token_ids.tolist() == expected
+
+
+def test_registry_routes_sampler_to_both_implementations():
+    from ops.mlx.sampling import sample as mlx_impl
+    from ops.registry import OPS, _load
+
+    torch_path, mlx_path = OPS["sampler"]
+    assert _load(torch_path) is torch_sample
+    assert _load(mlx_path) is mlx_impl
+
+
+def test_logits_shape_must_match_the_batch(sample):
+    batch = build([SP(), SP()], 10)
+    with pytest.raises(ValueError, match=r"logits has shape \(2, 11\)"):
+        sample(torch.zeros(2, 11), batch, torch.arange(2), None)
+    with pytest.raises(ValueError, match="positions"):
+        sample(torch.zeros(2, 10), batch, torch.arange(3), None)

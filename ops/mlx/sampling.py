@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from bridge import mlx_call_multi
-from ops.sampling import SampleOutput
+from ops.sampling import SampleOutput, check_shapes
 from ops.sampling_batch import SamplingBatch
 from ops.sampling_hash import U_MAX, U_MIN
 
@@ -30,6 +30,7 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> SampleOutput:
     """MLX variant of `ops.sampling.sample` (see there for the contract)."""
+    check_shapes(logits, batch, positions)
     groups = {"greedy": batch.greedy, "plain": batch.plain, "filtering": batch.filtering}
     needs_random = any(
         g is not None and not g.is_all_seeded for g in (batch.plain, batch.filtering)
