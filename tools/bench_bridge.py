@@ -8,13 +8,18 @@ For each float32 payload size it times, interleaved on the same tensors:
   export          `bridge.mlx_to_torch(a)` of an evaluated MLX array (zero-copy on CPU)
   call_identity   `bridge.mlx_call(lambda a: a, t)`: fence + import + eval + export
   torch_rms_norm  `F.rms_norm(x, (H,), w)` in torch, x = the payload as [rows, H], H <= 4096
+  mlx_rms_norm    `mx.fast.rms_norm` + `mx.eval` on MLX copies of x, w (no crossing: the kernel)
   call_rms_norm   `bridge.mlx_call(mx.fast.rms_norm, x, w, eps)` on the same x, w
 
 Within one size the methods run in forward order on even repeats and reverse order on odd
-repeats (the machine is shared: both orders, interleaved); figures are medians over repeats.
+rounds (the machine is shared: both orders, interleaved, call by call). Small payloads get more
+rounds (`--repeats` x min(30, `--sample-mb` / size)). Reported: median and mean of single calls
+(the mean carries the scheduler tail: MLX evaluates on its own worker thread, which a loaded
+machine wakes late).
 Copy counts and bytes copied per call come from `bridge.stats()` (reset around each call).
-Prints a markdown table: median microseconds, ratio to torch_clone (or to torch_rms_norm for
-call_rms_norm), copies/evals/fences per call, and effective GB/s over the payload.
+Prints a markdown table: median microseconds, ratio to torch_clone (to torch_rms_norm for the
+two rms_norm rows), copies/evals/fences per call, and effective GB/s over the payload.
+call_rms_norm minus mlx_rms_norm is what the crossing adds to the kernel.
 """
 
 from __future__ import annotations
@@ -32,7 +37,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bridge  # noqa: E402
 
-METHODS = ("torch_clone", "import", "export", "call_identity", "torch_rms_norm", "call_rms_norm")
+METHODS = (
+    "torch_clone",
+    "import",
+    "export",
+    "call_identity",
+    "torch_rms_norm",
+    "mlx_rms_norm",
+    "call_rms_norm",
+)
 
 
 def sizes_bytes(min_kb: int, max_mb: int) -> list[int]:
@@ -52,6 +65,8 @@ def build_cases(nbytes: int, mx):
     w = torch.rand(hidden) + 0.5
     a = mx.random.normal((numel,))
     mx.eval(a)
+    xa, wa = mx.array(x.numpy()), mx.array(w.numpy())
+    mx.eval(xa, wa)
     eps = 1e-6
     return {
         "torch_clone": lambda: t.clone(),
@@ -59,32 +74,37 @@ def build_cases(nbytes: int, mx):
         "export": lambda: bridge.mlx_to_torch(a, "cpu"),
         "call_identity": lambda: bridge.mlx_call(lambda v: v, t),
         "torch_rms_norm": lambda: torch.nn.functional.rms_norm(x, (hidden,), w, eps),
+        "mlx_rms_norm": lambda: mx.eval(mx.fast.rms_norm(xa, wa, eps)),
         "call_rms_norm": lambda: bridge.mlx_call(mx.fast.rms_norm, x, w, eps),
     }
 
 
-def time_once(fn) -> tuple[float, bridge.BridgeStats]:
+def time_call(fn) -> tuple[float, bridge.BridgeStats]:
     bridge.reset_stats()
     start = time.perf_counter()
-    out = fn()
+    fn()
     elapsed = time.perf_counter() - start
-    del out
     return elapsed, bridge.stats()
 
 
-def bench_size(nbytes: int, repeats: int, mx) -> dict[str, tuple[float, bridge.BridgeStats]]:
+def bench_size(nbytes: int, rounds: int, mx) -> dict[str, tuple[float, float, bridge.BridgeStats]]:
+    """(median s, mean s, counters of one call) per method over `rounds` interleaved rounds."""
     cases = build_cases(nbytes, mx)
     for fn in cases.values():  # warm-up: first-touch page faults, MLX kernel setup
         fn()
     samples: dict[str, list[float]] = {m: [] for m in METHODS}
     counters: dict[str, bridge.BridgeStats] = {}
-    for r in range(repeats):
+    for r in range(rounds):
         order = METHODS if r % 2 == 0 else tuple(reversed(METHODS))
         for m in order:
-            elapsed, s = time_once(cases[m])
-            samples[m].append(elapsed)
-            counters[m] = s
-    return {m: (statistics.median(samples[m]), counters[m]) for m in METHODS}
+            seconds, counters[m] = time_call(cases[m])
+            samples[m].append(seconds)
+    return {m: (statistics.median(v), statistics.fmean(v), counters[m]) for m, v in samples.items()}
+
+
+def rounds_for(nbytes: int, repeats: int, sample_bytes: int) -> int:
+    """Small payloads get more rounds (up to 30x `repeats`) so their medians settle."""
+    return repeats * max(1, min(30, sample_bytes // nbytes))
 
 
 def fmt_size(nbytes: int) -> str:
@@ -103,11 +123,21 @@ def main(argv: list[str] | None = None) -> None:
         "--repeats", type=int, default=7, help="timed repeats per method and size (default 7)"
     )
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch.set_num_threads (0 = leave as is)"
+        "--sample-mb",
+        type=int,
+        default=8,
+        help="payloads under this many MiB get more rounds: repeats x min(30, sample / size) (default 8)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads; 0 leaves torch's default (default 1: Linux MLX CPU kernels "
+        "are single-threaded, and a 2-thread torch pool thrashes on a shared machine)",
     )
     args = parser.parse_args(argv)
-    if args.min_kb < 1 or args.max_mb < 1 or args.repeats < 1:
-        parser.error("--min-kb, --max-mb and --repeats must be >= 1")
+    if min(args.min_kb, args.max_mb, args.repeats, args.sample_mb) < 1:
+        parser.error("--min-kb, --max-mb, --repeats and --sample-mb must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     import mlx.core as mx
@@ -115,19 +145,25 @@ def main(argv: list[str] | None = None) -> None:
     caps = bridge.capabilities()["cpu"]
     print(
         f"# bridge crossing cost: {platform.machine()} {sys.platform}, torch {torch.__version__}, "
-        f"MLX {mx.__version__}, torch threads {torch.get_num_threads()}, repeats {args.repeats}\n"
+        f"MLX {mx.__version__}, torch threads {torch.get_num_threads()}, repeats {args.repeats}, "
+        f"sample {args.sample_mb} MiB\n"
         f"# cpu capabilities: import_zero_copy={caps.import_zero_copy}, "
         f"export_zero_copy={caps.export_zero_copy}, fence={caps.fence}\n"
     )
-    print("| size | method | median us | ratio | copies | bytes copied | evals | fences | GB/s |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| size | rounds | method | median us | mean us | ratio | copies | bytes copied "
+        "| evals | fences | GB/s |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for nbytes in sizes_bytes(args.min_kb, args.max_mb):
-        results = bench_size(nbytes, args.repeats, mx)
+        rounds = rounds_for(nbytes, args.repeats, args.sample_mb * 1024 * 1024)
+        results = bench_size(nbytes, rounds, mx)
         for m in METHODS:
-            seconds, s = results[m]
-            base = results["torch_rms_norm" if m == "call_rms_norm" else "torch_clone"][0]
+            seconds, mean, s = results[m]
+            base = results["torch_rms_norm" if "rms_norm" in m else "torch_clone"][0]
             print(
-                f"| {fmt_size(nbytes)} | {m} | {seconds * 1e6:.1f} | {seconds / base:.2f} | "
+                f"| {fmt_size(nbytes)} | {rounds} | {m} | {seconds * 1e6:.1f} | {mean * 1e6:.1f} "
+                f"| {seconds / base:.2f} | "
                 f"{s.copies} | {s.bytes_copied} | {s.evals} | {s.fences} | "
                 f"{nbytes / seconds / 1e9:.2f} |",
                 flush=True,
