@@ -3,6 +3,9 @@
 Models call `ops.attention(...)`, `ops.rms_norm(...)`, ... ; each dispatches through the table in
 ops/registry.py to the backend chosen once at start-up (`ops.configure()`, or the first call).
 `ops.backends()` reports the choice. Importing this package never imports mlx.
+
+Note: `ops.attention` is the dispatcher, which shadows the submodule of the same name; reach the
+module itself with `from ops.attention import ...` or `importlib.import_module("ops.attention")`.
 """
 
 from ops.attention import KeyLayout
