@@ -137,7 +137,9 @@ def test_paged_view_returns_each_rows_history_and_matches_brute_attention():
     for i, ((cached, new), (hk, hv)) in enumerate(zip(lengths, histories)):
         k[i, :, :new], v[i, :, :new] = hk[:, cached:], hv[:, cached:]
         positions[i] = torch.arange(cached, cached + n)
-    meta = PagedStepMeta(tables, [c for c, _ in lengths], [m for _, m in lengths], bs, "cpu")
+    meta = PagedStepMeta(
+        tables, [c for c, _ in lengths], [m for _, m in lengths], bs, "cpu", pool.pad_slot
+    )
     keys, values, layout = PagedLayerView(pool, 1, meta).update_and_fetch(k, v)
     out = attention(q, keys, values, positions, layout, sm_scale=D**-0.5)
     for i, ((cached, new), (hk, hv)) in enumerate(zip(lengths, histories)):
@@ -149,7 +151,7 @@ def test_paged_view_returns_each_rows_history_and_matches_brute_attention():
             q[i, :, :new], hk, hv, positions[i, :new], torch.arange(total), None
         )
         torch.testing.assert_close(out[i, :, :new].double(), want, rtol=1e-5, atol=1e-5)
-    assert pool.k[0].abs().sum() == 0  # another layer's storage is untouched
+    assert keys[1, :, 6:].abs().sum() == 0  # padding reads the zero slot
 
 
 def test_windowed_batch_view_matches_per_row_attention():

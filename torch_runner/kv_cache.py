@@ -127,15 +127,21 @@ class WindowedKVCache:
 class PagedKVPool:
     """Device storage of the full-attention layers: per layer [num_slots, Hkv, D] for K and V.
 
-    slot = block_id * block_size + offset-in-block; the BlockManager hands out block ids.
+    slot = block_id * block_size + offset-in-block; the BlockManager hands out block ids. The
+    storage is left uninitialised (a large CPU pool is then only paged in as it fills): every
+    slot a row reads below its kv_len was written first, and padding reads `pad_slot`, one
+    extra slot kept at zero (garbage there could be NaN, and 0 * NaN poisons attention).
     """
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.pad_slot = num_blocks * block_size
+        shape = (num_layers, self.pad_slot + 1, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, self.pad_slot].zero_()
+        self.v[:, self.pad_slot].zero_()
 
     @staticmethod
     def bytes_per_token(
@@ -158,7 +164,7 @@ class PagedStepMeta:
     gather slots of every row's keys (padded to S = max(starts + num_new)) once.
     """
 
-    def __init__(self, block_tables, starts, num_new, block_size, device) -> None:
+    def __init__(self, block_tables, starts, num_new, block_size, device, pad_slot: int) -> None:
         n = max(num_new)
         kv_lens = [s + m for s, m in zip(starts, num_new)]
         s_max = max(kv_lens)
@@ -169,7 +175,7 @@ class PagedStepMeta:
                 write_slots.append(table[p // block_size] * block_size + p % block_size)
             length = kv_lens[i]
             row = [table[p // block_size] * block_size + p % block_size for p in range(length)]
-            gather.extend(row + [0] * (s_max - length))
+            gather.extend(row + [pad_slot] * (s_max - length))
         self.shape = (len(block_tables), n, s_max)
         self.is_dense = len(write_rows) == len(block_tables) * n  # no padded query tokens
         as_long = dict(dtype=torch.int64, device=device)

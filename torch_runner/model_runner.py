@@ -168,6 +168,7 @@ class ModelRunner:
                 num_new,
                 self.block_size,
                 self.device,
+                self.pool.pad_slot,
             )
             for layer, index in self._pool_index.items():
                 caches[layer] = PagedLayerView(self.pool, index, meta)
