@@ -48,32 +48,37 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m torch_runner.serve ...` in a subprocess, ready once /health answers."""
 
-    def __init__(self, model_dir: Path, *extra_args: str, startup_timeout: float = 180.0):
+    def __init__(
+        self,
+        model_dir: Path | None,
+        *extra_args: str,
+        log_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 180.0,
+    ):
+        """`model_dir` None serves the embedded default model under its own name."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = model_dir.parent / f"server-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_RUNNER_")}
+        self.log_path = (log_dir or model_dir.parent) / f"server-{self.port}.log"
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_RUNNER_")}
+        if "TORCH_RUNNER_CACHE_DIR" in os.environ:
+            full_env["TORCH_RUNNER_CACHE_DIR"] = os.environ["TORCH_RUNNER_CACHE_DIR"]
+        full_env.update(env or {})
         args = [
             sys.executable,
             "-m",
             "torch_runner.serve",
-            "--model",
-            str(model_dir),
             "--device",
             "cpu",
-        ]
-        args += [
             "--port",
             str(self.port),
-            "--served-model-name",
-            MODEL_NAME,
-            "--log-level",
-            "warning",
-            *extra_args,
         ]
+        args += ["--log-level", "warning", *extra_args]
+        if model_dir is not None:
+            args += ["--model", str(model_dir), "--served-model-name", MODEL_NAME]
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
-            args, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
+            args, cwd=REPO_ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
         )
         self._wait_ready(startup_timeout)
 
