@@ -73,18 +73,8 @@ def load_model(
         raise ModelLoadError(f"model path {str(path)!r} does not exist or is not a directory")
     raw = read_config(path)
     family = get_family(raw["model_type"])
+    check_required_fields(raw, family.ModelArgs.REQUIRED_FIELDS, path)
     hf_config = _hf_config(path)
-    aliases = getattr(type(hf_config), "attribute_map", {})
-    present = (
-        set(raw)
-        | {aliases[k] for k in raw if k in aliases}
-        | {k for k, v in aliases.items() if v in raw}
-    )
-    missing = [name for name in family.ModelArgs.REQUIRED_FIELDS if name not in present]
-    if missing:
-        raise ModelLoadError(
-            f"{path / 'config.json'} is missing required field(s): {', '.join(missing)}"
-        )
     try:
         args = family.ModelArgs.from_hf_config(hf_config)
     except (ValueError, TypeError) as exc:
@@ -146,12 +136,30 @@ def read_config(path: Path) -> dict[str, Any]:
     return raw
 
 
+def check_required_fields(raw: dict[str, Any], required: tuple[str, ...], path: Path) -> None:
+    """Name every required field config.json lacks (an alias from the HF attribute_map counts)."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[raw["model_type"]]  # the lazy mapping's .get() always gives None
+    aliases = getattr(config_class, "attribute_map", {}) or {}
+    present = (
+        set(raw)
+        | {aliases[k] for k in raw if k in aliases}
+        | {k for k, v in aliases.items() if v in raw}
+    )
+    missing = [name for name in required if name not in present]
+    if missing:
+        raise ModelLoadError(
+            f"{path / 'config.json'} is missing required field(s): {', '.join(missing)}"
+        )
+
+
 def _hf_config(path: Path):
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(path)
-    except (ValueError, TypeError, KeyError, OSError) as exc:
+    except Exception as exc:  # transformers raises many types (validators, KeyError, OSError)
         raise ModelLoadError(
             f"{path / 'config.json'}: transformers cannot parse it ({exc})"
         ) from exc
