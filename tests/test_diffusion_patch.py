@@ -43,7 +43,7 @@ def test_patched_transformer_matches_unpatched(family, dtype):
     expected = _forward(model, inputs)
     assert expected.abs().max() > 0.1  # a real signal, not an all-zero output
 
-    report = patch(model)
+    report = patch(model, backend="torch")
     calls = []
     for module in model.modules():
         if isinstance(module, OpsModule):

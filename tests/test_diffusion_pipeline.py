@@ -38,7 +38,7 @@ def test_patched_pipeline_generates_the_same_latents_and_images(dtype):
     images = _generate(pipe, prompt, "pt")
     assert latents.abs().max() > 0.1
 
-    report = patch(pipe.transformer)
+    report = patch(pipe.transformer, backend="torch")
     assert len(report.replaced) == 12
     torch.testing.assert_close(
         _generate(pipe, prompt, "latent"), latents, atol=TOLERANCE[dtype], rtol=0
