@@ -36,15 +36,18 @@ class TokenTable:
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._is_byte_level = self._detect_byte_level()
 
-    def _detect_byte_level(self) -> bool:
+    def _detect_byte_level(self, probe: str = " é🙂") -> bool:
+        """Byte-level iff mapping the probe's token pieces through the byte alphabet gives its UTF-8."""
         try:
-            sample = self._tokenizer.convert_ids_to_tokens(
-                self._tokenizer.encode(" é", add_special_tokens=False)
-            )
+            ids = self._tokenizer.encode(probe, add_special_tokens=False)
+            pieces = self._tokenizer.convert_ids_to_tokens(ids)
         except Exception:  # a tokenizer without these methods: fall back to decoded text
             return False
         decoder = _byte_decoder()
-        return bool(sample) and all(all(ch in decoder for ch in piece) for piece in sample if piece)
+        chars = "".join(piece for piece in pieces if isinstance(piece, str))
+        if not chars or any(ch not in decoder for ch in chars):
+            return False
+        return bytes(decoder[ch] for ch in chars) == probe.encode("utf-8")
 
     def lookup(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
