@@ -58,6 +58,7 @@ def default_model_path() -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}-", dir=target.parent))
     try:
         convert_gguf(source, staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any HF folder
         try:
             staging.rename(target)
         except OSError:
