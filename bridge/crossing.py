@@ -87,7 +87,9 @@ def import_tensor(t: torch.Tensor, caps: DeviceCapabilities, *, owned: bool):
     """One checked torch tensor -> MLX array. Returns (array, is_zero_copy)."""
     mx = mlx_core()
     # DLPack ignores torch's lazy conjugate/negative bits: resolve them or MLX reads raw data.
-    source = t.detach().resolve_conj().resolve_neg()
+    source = t.detach()
+    if source.is_conj() or source.is_neg():
+        source = source.resolve_conj().resolve_neg()
     if caps.import_zero_copy and not owned:
         count(imports=1, zero_copy_imports=1)
         return mx.asarray(source, copy=False), True
@@ -106,8 +108,13 @@ def has_negative_stride(array) -> bool:
 
 def export_array(array, target: torch.device, caps: DeviceCapabilities) -> torch.Tensor:
     """Evaluated, non-negative-stride MLX array -> torch tensor on `target`."""
-    out = torch.from_dlpack(array, device=target)
-    if out.device.type != target.type:
+    if target.type == "cpu" and caps.mlx_device == "cpu":  # already host memory: no dl_device
+        out = torch.from_dlpack(array)
+        on_target = out.is_cpu
+    else:  # e.g. unified memory: ask DLPack for a view on the target device
+        out = torch.from_dlpack(array, device=target)
+        on_target = out.device.type == target.type
+    if not on_target:
         out = out.to(target)
         count(copies=1, bytes_copied=out.numel() * out.element_size(), exports=1)
         return out

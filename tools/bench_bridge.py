@@ -6,6 +6,8 @@ For each float32 payload size it times, interleaved on the same tensors:
   torch_clone     torch `t.clone()`: one memcpy of the payload (the copy-cost yardstick)
   import          `bridge.torch_to_mlx(t)`: owned, evaluated MLX copy
   export          `bridge.mlx_to_torch(a)` of an evaluated MLX array (zero-copy on CPU)
+  raw_roundtrip   `torch.from_dlpack(mx.asarray(t))` + eval, no bridge: the floor (no checks, no
+                  lock, no stride guard, no counters)
   call_identity   `bridge.mlx_call(lambda a: a, t)`: fence + import + eval + export
   torch_rms_norm  `F.rms_norm(x, (H,), w)` in torch, x = the payload as [rows, H], H <= 4096
   mlx_rms_norm    `mx.fast.rms_norm` + `mx.eval` on MLX copies of x, w (no crossing: the kernel)
@@ -41,6 +43,7 @@ METHODS = (
     "torch_clone",
     "import",
     "export",
+    "raw_roundtrip",
     "call_identity",
     "torch_rms_norm",
     "mlx_rms_norm",
@@ -55,6 +58,12 @@ def sizes_bytes(min_kb: int, max_mb: int) -> list[int]:
         sizes.append(size)
         size *= 4
     return sizes
+
+
+def raw_roundtrip(t: torch.Tensor, mx) -> torch.Tensor:
+    array = mx.asarray(t)
+    mx.eval(array)
+    return torch.from_dlpack(array)
 
 
 def build_cases(nbytes: int, mx):
@@ -72,6 +81,7 @@ def build_cases(nbytes: int, mx):
         "torch_clone": lambda: t.clone(),
         "import": lambda: bridge.torch_to_mlx(t),
         "export": lambda: bridge.mlx_to_torch(a, "cpu"),
+        "raw_roundtrip": lambda: raw_roundtrip(t, mx),
         "call_identity": lambda: bridge.mlx_call(lambda v: v, t),
         "torch_rms_norm": lambda: torch.nn.functional.rms_norm(x, (hidden,), w, eps),
         "mlx_rms_norm": lambda: mx.eval(mx.fast.rms_norm(xa, wa, eps)),
