@@ -61,26 +61,22 @@ class BridgeStats:
     bytes_copied: int = 0
 
 
-_counters: dict[str, int] = {f.name: 0 for f in dataclasses.fields(BridgeStats)}
-
-
-def count(**deltas: int) -> None:
-    """Add to the counters (callers hold BRIDGE_LOCK)."""
-    for name, delta in deltas.items():
-        _counters[name] += delta
+COUNTERS: dict[str, int] = {f.name: 0 for f in dataclasses.fields(BridgeStats)}
+"""Live counters. Crossing code adds to them directly while holding BRIDGE_LOCK (a dict
+increment is ~20x cheaper than a keyword-argument call, and a crossing makes several)."""
 
 
 def stats() -> BridgeStats:
     """A snapshot of the bridge counters: fences, evals, imports/exports, copies, bytes copied."""
     with BRIDGE_LOCK:
-        return BridgeStats(**_counters)
+        return BridgeStats(**COUNTERS)
 
 
 def reset_stats() -> None:
     """Zero the bridge counters (benchmarks and tests measure one crossing at a time)."""
     with BRIDGE_LOCK:
-        for name in _counters:
-            _counters[name] = 0
+        for name in COUNTERS:
+            COUNTERS[name] = 0
 
 
 @dataclass(frozen=True)

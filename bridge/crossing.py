@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from bridge.bridge_state import (
+    COUNTERS,
     FENCE_NONE,
     DeviceCapabilities,
     capability_table,
-    count,
     mlx_core,
     run_fence,
 )
@@ -91,13 +91,16 @@ def import_tensor(t: torch.Tensor, caps: DeviceCapabilities, *, owned: bool):
     if source.is_conj() or source.is_neg():
         source = source.resolve_conj().resolve_neg()
     if caps.import_zero_copy and not owned:
-        count(imports=1, zero_copy_imports=1)
+        COUNTERS["imports"] += 1
+        COUNTERS["zero_copy_imports"] += 1
         return mx.asarray(source, copy=False), True
     # mx.asarray silently narrows float64 to float32 unless the dtype is forced.
     dtype = mx.float64 if source.dtype == torch.float64 else None
     with mx.stream(stream_for(mx, caps, dtype)):
         array = mx.asarray(source, dtype=dtype, copy=True)
-    count(imports=1, copies=1, bytes_copied=source.numel() * source.element_size())
+    COUNTERS["imports"] += 1
+    COUNTERS["copies"] += 1
+    COUNTERS["bytes_copied"] += source.numel() * source.element_size()
     return array, False
 
 
@@ -116,12 +119,12 @@ def export_array(array, target: torch.device, caps: DeviceCapabilities) -> torch
         on_target = out.device.type == target.type
     if not on_target:
         out = out.to(target)
-        count(copies=1, bytes_copied=out.numel() * out.element_size(), exports=1)
-        return out
-    if caps.export_zero_copy:
-        count(exports=1, zero_copy_exports=1)
+    COUNTERS["exports"] += 1
+    if not on_target or not caps.export_zero_copy:
+        COUNTERS["copies"] += 1
+        COUNTERS["bytes_copied"] += out.numel() * out.element_size()
     else:
-        count(exports=1, copies=1, bytes_copied=out.numel() * out.element_size())
+        COUNTERS["zero_copy_exports"] += 1
     return out
 
 
@@ -136,14 +139,16 @@ def export_all(arrays: list, target: torch.device, caps: DeviceCapabilities) -> 
                 f"MLX op output {i} is float64, which target device {target} does not support"
             )
     mx.eval(*arrays)
-    count(evals=1)
+    COUNTERS["evals"] += 1
     flipped = [i for i, a in enumerate(arrays) if has_negative_stride(a)]
     if flipped:
         with mx.stream(stream_for(mx, caps)):
             fixed = {i: mx.contiguous(arrays[i]) for i in flipped}
         mx.eval(*fixed.values())
-        count(evals=1, materializations=len(fixed), copies=len(fixed))
-        count(bytes_copied=sum(a.nbytes for a in fixed.values()))
+        COUNTERS["evals"] += 1
+        COUNTERS["materializations"] += len(fixed)
+        COUNTERS["copies"] += len(fixed)
+        COUNTERS["bytes_copied"] += sum(a.nbytes for a in fixed.values())
         arrays = [fixed.get(i, a) for i, a in enumerate(arrays)]
     return [export_array(a, target, caps) for a in arrays]
 
@@ -154,4 +159,4 @@ def fence_once(caps_list) -> None:
     kinds.discard(FENCE_NONE)
     for kind in sorted(kinds):  # one kind (mps) exists today: at most one fence per crossing
         run_fence(kind)
-        count(fences=1)
+        COUNTERS["fences"] += 1

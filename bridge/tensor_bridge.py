@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 
-from bridge.bridge_state import BRIDGE_LOCK, DeviceCapabilities, capability_table, count, mlx_core
+from bridge.bridge_state import (
+    BRIDGE_LOCK,
+    COUNTERS,
+    DeviceCapabilities,
+    capability_table,
+    mlx_core,
+)
 from bridge.crossing import (
     CROSSING_DTYPES,
     as_device,
@@ -104,7 +110,7 @@ def torch_to_mlx(t: torch.Tensor):
         fence_once([caps])
         array, _ = import_tensor(t, caps, owned=True)
         mlx_core().eval(array)
-        count(evals=1)
+        COUNTERS["evals"] += 1
         return array
 
 
