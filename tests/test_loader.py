@@ -246,3 +246,18 @@ def test_eos_ids_come_from_generation_config(ckpt):
     loaded = load(ckpt)
     assert loaded.eos_token_ids == [2, 7]
     assert loaded.generation_config == {"eos_token_id": [2, 7]}
+
+
+def test_legacy_rope_keys_load_like_rope_parameters(tmp_path):
+    """Older config.json files keep `rope_theta` + `rope_scaling` at top level (Llama 3.1 style)."""
+    path = save_tiny_checkpoint("llama", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope  # {"rope_type": "llama3", "factor": 8.0, ...}
+    (path / "config.json").write_text(json.dumps(config))
+    loaded = load(path, dtype="float32")
+    assert loaded.args.rope_parameters["rope_type"] == "llama3"
+    with torch.no_grad():
+        want = build_tiny_model("llama")(IDS).logits
+    assert (logits(loaded, IDS) - want).abs().max().item() < 1e-4

@@ -124,3 +124,34 @@ def test_windowed_layers_see_only_their_window(family):
     a = model(ids, positions_for(ids), full_history)
     b = model(ids, positions_for(ids), windowed)
     assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.slow
+def test_mlx_backend_swaps_into_every_family():
+    """With TORCH_RUNNER_USE_MLX=1 the models pick up MLX attention/rms_norm with no code change
+    and still match transformers (run in a subprocess: the backend is chosen once per process)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("mlx") is None:
+        pytest.skip("mlx is not installed")
+    env = {**os.environ, "TORCH_RUNNER_USE_MLX": "1"}
+    script = "import ops, models; assert ops.backends()['attention'] == 'mlx'; print('mlx')"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True
+        ).stdout
+        == "mlx\n"
+    )
+    test_id = f"{__file__}::test_logits_match_transformers_within_1e4"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"{len(FAMILIES)} passed" in result.stdout
