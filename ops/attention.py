@@ -62,14 +62,14 @@ class KeyLayout:
         hit = self._masks.get(key)
         if hit is not None and hit[0] is q_positions:
             return hit[1]
-        if self.is_causal_tail:
+        if self.is_causal_tail:  # memoised across layers and steps, whatever the layout object
             built = tail_mask(n, num_keys, window, q_positions.device)
+            if dtype is not None and built is not None:
+                built = _additive_cached(built, dtype)
         elif dtype is not None:
-            built = self.mask(q_positions, num_keys, window)
+            built = additive(self.mask(q_positions, num_keys, window), dtype)
         else:
             built = position_mask(q_positions, self.k_offsets, self.kv_lens, num_keys, window)
-        if dtype is not None and built is not None:
-            built = additive(built, dtype)
         self._masks[key] = (q_positions, built)
         return built
 
@@ -79,6 +79,11 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
         ~mask, float("-inf")
     )
+
+
+@lru_cache(maxsize=16)
+def _additive_cached(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return additive(mask, dtype)
 
 
 @lru_cache(maxsize=16)
@@ -201,11 +206,6 @@ def attention(
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-@lru_cache(maxsize=16)
-def _additive_cached(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return additive(mask, dtype)
 
 
 def _attention_with_sinks(q, k, v, mask, is_causal, sm_scale, sinks, is_gqa):
