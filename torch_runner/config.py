@@ -31,6 +31,7 @@ class EngineConfig:
     """
 
     model: str | None = None
+    tokenizer: str | None = None  # default: the model folder
     device: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -49,6 +50,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model={self.model!r} is invalid; expected a path string or None")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ValueError(
+                f"tokenizer={self.tokenizer!r} is invalid; expected a path string or None"
+            )
         if not isinstance(self.device, str):
             raise ValueError(f"device={self.device!r} is invalid; expected a string")
         if self.dtype not in ALLOWED_DTYPES:

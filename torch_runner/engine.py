@@ -59,7 +59,7 @@ class Engine:
         self.device = next(loaded.model.parameters()).device
         self.dtype = next(loaded.model.parameters()).dtype
         self.vocab_size = self.args.vocab_size
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_path)
         self.max_model_len = config.max_model_len or self.args.max_position_embeddings
         eos = set(loaded.eos_token_ids)
         hf_eos = getattr(loaded.hf_config, "eos_token_id", None)

@@ -165,25 +165,31 @@ class PagedStepMeta:
     """
 
     def __init__(self, block_tables, starts, num_new, block_size, device, pad_slot: int) -> None:
-        n = max(num_new)
+        b, n = len(block_tables), max(num_new)
         kv_lens = [s + m for s, m in zip(starts, num_new)]
         s_max = max(kv_lens)
-        write_rows, write_slots, gather = [], [], []
-        for i, (table, start, count) in enumerate(zip(block_tables, starts, num_new)):
-            for p in range(start, start + count):
-                write_rows.append(i * n + p - start)
-                write_slots.append(table[p // block_size] * block_size + p % block_size)
-            length = kv_lens[i]
-            row = [table[p // block_size] * block_size + p % block_size for p in range(length)]
-            gather.extend(row + [pad_slot] * (s_max - length))
-        self.shape = (len(block_tables), n, s_max)
-        self.is_dense = len(write_rows) == len(block_tables) * n  # no padded query tokens
+        width = max(len(t) for t in block_tables)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
         as_long = dict(dtype=torch.int64, device=device)
-        self.write_rows = torch.tensor(write_rows, **as_long)
-        self.write_slots = torch.tensor(write_slots, **as_long)
-        self.gather_slots = torch.tensor(gather, **as_long)  # [B * S]
+        tables = torch.tensor(padded, **as_long)  # [B, blocks]
+        lens = torch.tensor(kv_lens, **as_long)  # [B]
+        pos = torch.arange(s_max, **as_long)  # [S]
+        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, S]
+        self.gather_slots = slots.masked_fill_(pos >= lens[:, None], pad_slot).view(-1)  # [B * S]
+        new = torch.tensor(num_new, **as_long)
+        offsets = torch.tensor(starts, **as_long)[:, None] + torch.arange(n, **as_long)  # [B, N]
+        write = slots.view(b, s_max).gather(1, offsets.clamp_(max=s_max - 1))  # [B, N]
+        self.is_dense = all(m == n for m in num_new)  # no padded query tokens
+        if self.is_dense:
+            self.write_rows = None
+            self.write_slots = write.view(-1)
+        else:
+            valid = (torch.arange(n, **as_long) < new[:, None]).view(-1)
+            self.write_rows = valid.nonzero().squeeze(1)
+            self.write_slots = write.view(-1)[self.write_rows]
+        self.shape = (b, n, s_max)
         is_tail = len(set(kv_lens)) == 1 and len(set(num_new)) == 1
-        self.layout = KeyLayout.contiguous(torch.tensor(kv_lens, **as_long), is_causal_tail=is_tail)
+        self.layout = KeyLayout.contiguous(lens, is_causal_tail=is_tail)
 
 
 class PagedLayerView:
