@@ -3,8 +3,10 @@
 All configurations run side by side in one process on one pipeline object (patch / unpatch
 between runs), interleaved round by round, alternating forward and reverse order, so machine
 load drifts hit them alike. A step's time is the gap between two consecutive step-end callbacks
-(the first step of each run, which includes set-up, is dropped). Prints a markdown table of
-medians and ratios to unpatched, per order and overall, plus bridge crossings per step for MLX.
+(the first step of each run, which includes set-up, is dropped), measured twice: process CPU
+time (all threads; robust when the box is oversubscribed, since time spent descheduled is not
+counted) and wall time. Prints a markdown table of medians and ratios to unpatched, per order
+and overall, plus bridge crossings (mx.eval calls) per step for MLX.
 
 MLX is enabled inside this process (TORCH_RUNNER_USE_MLX=1) before ops is imported, so patched-MLX
 can be compared with the others in the same run; --no-mlx skips it.
@@ -74,12 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def time_steps(pipe, prompt, args, torch) -> list[float]:
-    """Run the pipeline once; return each denoise step's seconds except the first."""
-    stamps: list[float] = []
+def time_steps(pipe, prompt, args, torch) -> list[tuple[float, float]]:
+    """Run the pipeline once; return (cpu s, wall s) of each denoise step except the first."""
+    stamps: list[tuple[float, float]] = []
 
     def on_step_end(_pipe, _step, _timestep, kwargs):
-        stamps.append(time.perf_counter())
+        stamps.append((time.process_time(), time.perf_counter()))
         return kwargs
 
     with torch.no_grad():
@@ -92,7 +94,11 @@ def time_steps(pipe, prompt, args, torch) -> list[float]:
             generator=torch.Generator().manual_seed(0),
             callback_on_step_end=on_step_end,
         )
-    return [b - a for a, b in zip(stamps, stamps[1:])]
+    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(stamps, stamps[1:])]
+
+
+def median_ms(samples: list[tuple[float, float]], which: int) -> float:
+    return statistics.median(sample[which] for sample in samples) * 1e3
 
 
 def main(argv=None) -> None:
@@ -144,21 +150,21 @@ def main(argv=None) -> None:
         f"{torch.get_num_threads()}\n"
     )
     print(
-        "| config | median step (ms) | forward order (ms) | reverse order (ms) | ratio to unpatched | MLX crossings / step |"
+        "| config | CPU ms/step | CPU fwd / rev order | CPU ratio | wall ms/step | "
+        "wall fwd / rev order | wall ratio | MLX crossings/step |"
     )
-    print("|---|---|---|---|---|---|")
-    medians = {}
+    print("|---|---|---|---|---|---|---|---|")
+    both = {c: per_order[(c, "forward")] + per_order[(c, "reverse")] for c in configs}
     for config in configs:
-        both = per_order[(config, "forward")] + per_order[(config, "reverse")]
-        medians[config] = statistics.median(both)
-    for config in configs:
-        fwd = statistics.median(per_order[(config, "forward")]) * 1e3
-        rev = statistics.median(per_order[(config, "reverse")]) * 1e3
-        ratio = medians[config] / medians["unpatched"]
-        cross = f"{crossings:.0f}" if config == "patched-mlx" else "0"
-        print(
-            f"| {config} | {medians[config] * 1e3:.2f} | {fwd:.2f} | {rev:.2f} | {ratio:.3f} | {cross} |"
-        )
+        cells = [config]
+        for which in (0, 1):
+            med = median_ms(both[config], which)
+            fwd = median_ms(per_order[(config, "forward")], which)
+            rev = median_ms(per_order[(config, "reverse")], which)
+            ratio = med / median_ms(both["unpatched"], which)
+            cells += [f"{med:.2f}", f"{fwd:.2f} / {rev:.2f}", f"{ratio:.3f}"]
+        cells.append(f"{crossings:.0f}" if config == "patched-mlx" else "0")
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
