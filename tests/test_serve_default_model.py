@@ -17,7 +17,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_embedded_default_model_answers_through_the_openai_client(tmp_path):
-    server = ServerProcess(None, log_dir=tmp_path)
+    server = ServerProcess(None, log_dir=tmp_path, num_threads=None)
     try:
         client = OpenAI(
             base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120

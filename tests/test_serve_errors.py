@@ -275,3 +275,14 @@ def test_full_waiting_queue_is_503_with_retry_after(server):
         server.base_url, lambda v: _idle(v) and v["torch_runner_kv_cache_used_tokens"] == 0
     )
     assert _idle(values) and values["torch_runner_kv_cache_used_tokens"] == 0
+
+
+def test_health_is_503_once_the_engine_stops(tmp_path):
+    path, _ = save_serve_checkpoint(tmp_path / "tiny")
+    threaded = ThreadedServer(path, max_total_tokens=256)
+    try:
+        assert httpx.get(f"{threaded.base_url}/health").json()["status"] == "ok"
+        threaded.async_engine.shutdown()
+        _error(httpx.get(f"{threaded.base_url}/health"), 503)
+    finally:
+        threaded.stop()

@@ -40,7 +40,12 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    return Engine(model=str(checkpoint[0]), device="cpu", max_total_tokens=4096)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(
+        1
+    )  # the oracle runs in this process: avoid thread contention (see serve_fixtures)
+    yield Engine(model=str(checkpoint[0]), device="cpu", max_total_tokens=4096)
+    torch.set_num_threads(saved)
 
 
 def _chat_prompt_ids(engine, messages) -> list[int]:
@@ -196,6 +201,20 @@ def test_n2_choices_differ_and_each_reproduces_with_seed_plus_i(client):
     assert [c.text for c in both.choices] == [first, second]
     assert first != second
     assert both.usage.completion_tokens == 32
+
+
+def test_streamed_n2_choices_equal_non_streamed_ones(client):
+    kwargs = dict(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Two"}], max_completion_tokens=12
+    )
+    kwargs |= dict(n=2, seed=99, temperature=1.0, **NO_EOS)
+    whole = client.chat.completions.create(**kwargs)
+    texts = ["", ""]
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in whole.choices]
+    assert texts[0] != texts[1]
 
 
 def test_same_seed_same_chat_text(client):

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from torch_runner.serve.chat import create_chat_completion
 from torch_runner.serve.completions import create_completion
-from torch_runner.serve.errors import install_error_handlers
+from torch_runner.serve.errors import EngineStoppedError, error_response, install_error_handlers
 from torch_runner.serve.metrics import CONTENT_TYPE
 from torch_runner.serve.middleware import ApiKeyGuard, BodySizeLimit, RequestMetrics
 from torch_runner.serve.protocol import (
@@ -38,14 +38,18 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """200 while the engine loop runs; 503 once it has stopped (a load balancer drains us)."""
+        if not getattr(state.engine, "is_running", True):
+            return error_response(
+                EngineStoppedError("the engine loop is not running", code="engine_stopped")
+            )
         stats = state.engine_stats()
-        return JSONResponse(
-            {
-                "status": "ok",
-                "num_running": stats.get("num_running"),
-                "num_waiting": stats.get("num_waiting"),
-            }
-        )
+        body = {
+            "status": "ok",
+            "num_running": stats.get("num_running"),
+            "num_waiting": stats.get("num_waiting"),
+        }
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

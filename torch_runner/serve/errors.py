@@ -74,6 +74,11 @@ class OverCapacityError(APIError):
         return {"Retry-After": str(RETRY_AFTER_SECONDS)}
 
 
+class EngineStoppedError(APIError):
+    status = 503
+    type = "service_unavailable"
+
+
 class InternalError(APIError):
     status = 500
     type = "internal_server_error"
