@@ -91,9 +91,10 @@ if len(sys.argv) > 1:
     import torch
     from torch import nn
     model = nn.Sequential(nn.LayerNorm(4))
-    ops.diffusion.patch(model)
+    report = ops.diffusion.patch(model)
     model(torch.randn(2, 4))
     print(sorted({m.split(".")[0] for m in sys.modules} & {"mlx"}))
+    print(report.backend)
 """
 
 
@@ -108,4 +109,8 @@ def test_mlx_is_imported_only_once_enabled_and_used():
     code = _IMPORT_SCRIPT.replace("if len(sys.argv) > 1:", "if True:")
     proc = _run(code, TORCH_RUNNER_USE_MLX="1", TORCH_RUNNER_MLX_OPS="norm_infer")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["[]", "['mlx']"]
+    assert proc.stdout.splitlines() == [
+        "[]",
+        "['mlx']",
+        "norm_infer=mlx, modulate=torch, dit_rope=torch",  # the table's per-op choice
+    ]
