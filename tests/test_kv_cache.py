@@ -178,3 +178,21 @@ def test_windowed_batch_view_matches_per_row_attention():
             q[i, :, :m], fk, fv, positions[i, :m], torch.arange(fk.shape[1]), window
         )
         torch.testing.assert_close(out[i, :, :m].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("table", [[3, 4, 5], [5, 3, 4]])  # consecutive (view) / scattered (gather)
+def test_single_row_fetch_is_the_history_whether_blocks_are_consecutive_or_not(table):
+    torch.manual_seed(4)
+    bs = 4
+    pool = PagedKVPool(1, 8, bs, H_KV, D, torch.float32, "cpu")
+    hist_k, hist_v = torch.randn(H_KV, 11, D), torch.randn(H_KV, 11, D)
+    for start, count in [(0, 7), (7, 1), (8, 3)]:  # prefill chunk, then decode, then a chunk
+        meta = PagedStepMeta([table], [start], [count], bs, "cpu", pool.pad_slot)
+        assert (meta.first_slot is not None) == (table == [3, 4, 5])
+        k = hist_k[None, :, start : start + count]
+        v = hist_v[None, :, start : start + count]
+        keys, values, layout = PagedLayerView(pool, 0, meta).update_and_fetch(k, v)
+        end = start + count
+        torch.testing.assert_close(keys[0], hist_k[:, :end], rtol=0, atol=0)
+        torch.testing.assert_close(values[0], hist_v[:, :end], rtol=0, atol=0)
+        assert int(layout.kv_lens[0]) == keys.shape[2] == end

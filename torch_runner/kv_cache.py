@@ -188,6 +188,13 @@ class PagedStepMeta:
             self.write_rows = valid.nonzero().squeeze(1)
             self.write_slots = write.view(-1)[self.write_rows]
         self.shape = (b, n, s_max)
+        # one row whose blocks are consecutive (the common single-request case): its keys are a
+        # slice of the pool, so fetching them is a view instead of a gather copy
+        table = block_tables[0]
+        num_blocks = -(-s_max // block_size)
+        self.first_slot = None
+        if b == 1 and all(table[i + 1] == table[i] + 1 for i in range(num_blocks - 1)):
+            self.first_slot = table[0] * block_size
         is_tail = len(set(kv_lens)) == 1 and len(set(num_new)) == 1
         self.layout = KeyLayout.contiguous(lens, is_causal_tail=is_tail)
 
@@ -211,6 +218,10 @@ class PagedLayerView:
         pool_k.index_copy_(0, meta.write_slots, k_new)
         pool_v.index_copy_(0, meta.write_slots, v_new)
         s = meta.shape[2]
+        if meta.first_slot is not None:
+            keys = pool_k.narrow(0, meta.first_slot, s).view(b, s, h, d).transpose(1, 2)
+            values = pool_v.narrow(0, meta.first_slot, s).view(b, s, h, d).transpose(1, 2)
+            return keys, values, meta.layout  # [B, Hkv, S, D] views of the pool
         keys = pool_k.index_select(0, meta.gather_slots).view(b, s, h, d).transpose(1, 2)
         values = pool_v.index_select(0, meta.gather_slots).view(b, s, h, d).transpose(1, 2)
         return keys, values, meta.layout  # [B, Hkv, S, D]
