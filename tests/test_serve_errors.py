@@ -122,6 +122,17 @@ def test_malformed_body_is_400(server, body):
     _error(_post(server, "/v1/chat/completions", body), 400)
 
 
+@pytest.mark.parametrize(
+    ("field", "literal"),
+    [("temperature", "NaN"), ("presence_penalty", "Infinity"), ("top_p", "-Infinity")],
+)
+def test_non_finite_numbers_are_400_naming_the_field(server, field, literal):
+    # Python's JSON parser accepts these literals, so they reach validation and must stop there.
+    body = f'{{"model": "{MODEL_NAME}", "prompt": "Hi", "{field}": {literal}}}'
+    error = _error(_post(server, "/v1/completions", body), 400)
+    assert error["param"] == field
+
+
 def test_openai_client_raises_bad_request_with_param(server):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:

@@ -76,17 +76,19 @@ def normalize_logprobs(raw: Any, token_ids: list[int]) -> list[LogprobEntry]:
 
 
 def apply_output(choice: Choice, output: Any, now: float) -> Increment:
-    """Fold one engine output (cumulative text/token_ids) into the choice; return what is new."""
+    """Fold one engine output (cumulative text/token_ids/logprobs) into the choice; return what is new.
+
+    Only the new logprob entries are converted, so a long generation stays linear here.
+    """
     token_ids = list(output.token_ids)
     delta_ids = token_ids[len(choice.token_ids) :]
     text = output.text or ""
     delta_text = text[len(choice.text) :]
-    entries = normalize_logprobs(output.logprobs, token_ids)
-    delta_entries = entries[len(choice.logprobs) :]
+    num_done = len(choice.logprobs)
+    delta_entries = normalize_logprobs((output.logprobs or [])[num_done:], token_ids[num_done:])
     choice.tracker.on_tokens(now, len(delta_ids))
     choice.text, choice.token_ids = text, token_ids
-    if entries:
-        choice.logprobs = entries
+    choice.logprobs.extend(delta_entries)
     choice.num_cached_tokens = int(getattr(output, "num_cached_tokens", 0) or 0)
     if output.finished:
         choice.is_finished = True
