@@ -45,7 +45,7 @@ class EngineConfig:
     enable_deterministic_inference: bool = False
     load_format: str = "safetensors"
     max_waiting: int = 1024
-    max_cached_windows: int = 256
+    max_cached_windows: int = 64  # SWA prefix-cache window snapshots kept (LRU)
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
