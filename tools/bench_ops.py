@@ -36,7 +36,10 @@ GEOMETRY = {
         experts=32, top_k=4, inter=2880,
     ),
 }  # fmt: skip
-OP_NAMES = ("attention", "rms_norm", "layer_norm", "apply_rope", "moe_gpt_oss", "island")
+OP_NAMES = (
+    "attention", "attention_paths", "rms_norm", "layer_norm", "apply_rope", "moe_gpt_oss", "island",
+)  # fmt: skip
+MAIN_VARIANTS = ("torch", "mlx", "mlx_island", "mlx_compute")
 
 
 def _time(fn: Callable, inner: int) -> float:
@@ -104,6 +107,36 @@ def attention_cases(g, dtype):
     return cases
 
 
+def attention_path_cases(g, dtype):
+    """The torch fast path vs the alternatives it replaced, on the same inputs (prefill)."""
+    h, hkv, d = g["heads"], g["kv_heads"], g["head_dim"]
+    n = 512
+    q, k, v = (
+        _rand(1, h, n, d, dtype=dtype),
+        _rand(1, hkv, n, d, dtype=dtype),
+        _rand(1, hkv, n, d, dtype=dtype),
+    )
+    pos, scale = torch.arange(n)[None], d**-0.5
+    sinks = _rand(h, dtype=dtype)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    no_sinks = {
+        "torch": lambda: ATT.attention(q, k, v, pos, None, sm_scale=scale),
+        "SDPA, causal as a bool mask": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal, scale=scale, enable_gqa=True
+        ),
+    }
+    with_sinks = {
+        "torch": lambda: ATT.attention(q, k, v, pos, None, sm_scale=scale, sinks=sinks),
+        "sinks as an extra key column": lambda: ATT._attention_with_sinks(
+            q, k, v, None, True, scale, sinks, True
+        ),
+    }
+    return [
+        ("attention_paths", f"prefill N={n} causal", no_sinks),
+        ("attention_paths", f"prefill N={n} causal + sinks", with_sinks),
+    ]
+
+
 def run(args) -> list[tuple]:
     dtype = getattr(torch, args.dtype)
     use_mlx = not args.no_mlx
@@ -121,11 +154,12 @@ def run(args) -> list[tuple]:
             arrays = [torch_to_mlx(t) if isinstance(t, torch.Tensor) else t for t in tensors]
             return lambda: mx.eval(kernel(*arrays, **kw))
 
+    wanted = set(args.ops.split(","))
     rows = []
     for geo_name in args.shapes.split(","):
         g = GEOMETRY[geo_name]
         cases: list[tuple[str, str, dict]] = []  # (op, label, variants)
-        if "attention" in args.ops:
+        if "attention" in wanted:
             for label, a, kw in attention_cases(g, dtype):
                 variants = {"torch": lambda a=a, kw=kw: ATT.attention(*a, **kw)}
                 if use_mlx:
@@ -135,22 +169,24 @@ def run(args) -> list[tuple]:
                         m_att.sdpa_mx, *a[:3], mask, kw["sinks"], scale=kw["sm_scale"]
                     )
                 cases.append(("attention", label, variants))
+        if "attention_paths" in wanted:
+            cases += attention_path_cases(g, dtype)
         for tokens, phase in ((512 if g["window"] else 256, "prefill"), (8, "decode")):
             x = _rand(tokens, g["hidden"], dtype=dtype)
             wgt, bias = _rand(g["hidden"], dtype=dtype), _rand(g["hidden"], dtype=dtype)
-            if "rms_norm" in args.ops:
+            if "rms_norm" in wanted:
                 v = {"torch": lambda x=x, w=wgt: NORM.rms_norm(x, w, 1e-5)}
                 if use_mlx:
                     v |= {"mlx": lambda x=x, w=wgt: m_norm.rms_norm(x, w, 1e-5),
                           "mlx_compute": pure(m_norm.rms_norm_mx, x, wgt, 1e-5)}  # fmt: skip
                 cases.append(("rms_norm", f"{phase} [{tokens}, {g['hidden']}]", v))
-            if "layer_norm" in args.ops:
+            if "layer_norm" in wanted:
                 v = {"torch": lambda x=x, w=wgt, b=bias: NORM.layer_norm(x, w, b, 1e-5)}
                 if use_mlx:
                     v |= {"mlx": lambda x=x, w=wgt, b=bias: m_norm.layer_norm(x, w, b, 1e-5),
                           "mlx_compute": pure(m_norm.layer_norm_mx, x, wgt, bias, 1e-5)}  # fmt: skip
                 cases.append(("layer_norm", f"{phase} [{tokens}, {g['hidden']}]", v))
-            if "apply_rope" in args.ops:
+            if "apply_rope" in wanted:
                 b, n = (1, tokens) if phase == "prefill" else (tokens, 1)
                 q = _rand(b, g["heads"], n, g["head_dim"], dtype=dtype)
                 k = _rand(b, g["kv_heads"], n, g["head_dim"], dtype=dtype)
@@ -162,7 +198,7 @@ def run(args) -> list[tuple]:
                           "mlx_compute": pure(m_rope.apply_rope_mx, q, k, pos, inv, 1.0)}  # fmt: skip
                 cases.append(("apply_rope", f"{phase} B={b} N={n}", v))
             if (
-                "moe_gpt_oss" in args.ops
+                "moe_gpt_oss" in wanted
                 and "experts" in g
                 and (phase == "decode" or args.moe_prefill)
             ):
@@ -175,8 +211,16 @@ def run(args) -> list[tuple]:
                 if use_mlx:
                     v |= {"mlx": lambda x=x, w=wts, k=topk: m_moe.moe_gpt_oss(x, *w, top_k=k),
                           "mlx_compute": pure(m_moe.moe_gpt_oss_mx, x, *wts, top_k=g["top_k"], limit=7.0, alpha=1.702)}  # fmt: skip
+                if args.moe_layouts:  # same values, stored [E, out, in] and passed as a view
+                    wt = [
+                        w.transpose(1, 2).contiguous().transpose(1, 2) if w.dim() == 3 else w
+                        for w in wts
+                    ]
+                    v["torch, experts stored [E, out, in]"] = lambda x=x, w=wt, k=topk: (
+                        MOE.moe_gpt_oss(x, *w, top_k=k)
+                    )
                 cases.append(("moe_gpt_oss", f"{phase} T={tokens} E={e} top{g['top_k']}", v))
-            if "island" in args.ops and use_mlx:
+            if "island" in wanted and use_mlx:
                 cases.append(
                     (
                         "island",
@@ -233,6 +277,8 @@ def _row(geo, op, label, med) -> str:
             cells.append(f"{med[name]:.3f} ({share:.0%}) x{med[name] / t:.2f}")
         else:
             cells.append("-")
+    extra = [f"{k}: {m:.3f} x{m / t:.2f}" for k, m in med.items() if k not in MAIN_VARIANTS]
+    cells.append("; ".join(extra) or "-")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -256,6 +302,11 @@ def main() -> None:
                         help="torch intra-op threads (default 1: on a loaded shared box 2 OpenMP threads stall ~100 ms whenever one is descheduled)")  # fmt: skip
     parser.add_argument("--no-mlx", action="store_true", help="torch column only")
     parser.add_argument(
+        "--moe-layouts",
+        action="store_true",
+        help="also time torch MoE with expert weights stored [E, out, in] (passed as a transposed view)",
+    )
+    parser.add_argument(
         "--moe-prefill", action="store_true", help="also time MoE at the prefill token count (slow)"
     )
     args = parser.parse_args()
@@ -266,8 +317,8 @@ def main() -> None:
     print(f"# bench_ops: {platform.system()}-{platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, dtype {args.dtype}, median of {args.repeats} interleaved repeats")  # fmt: skip
     print("\nms per call; MLX cells: median (crossing share) xratio-to-torch\n")
-    print("| geometry | op | shape | torch | MLX op | MLX island |")
-    print("|---|---|---|---|---|---|")
+    print("| geometry | op | shape | torch | MLX op | MLX island | other |")
+    print("|---|---|---|---|---|---|---|")
     rows = run(args)
     slower = {op for _, op, _, med in rows if "mlx" in med and med["mlx"] >= med["torch"]}
     faster = sorted({op for _, op, _, med in rows if "mlx" in med} - slower - {"island"})
