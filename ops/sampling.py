@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ops.sampling_batch import MAX_BOUNDED_TOP_K, RowGroup, SamplingBatch
-from ops.sampling_hash import gumbel_from_uniform, murmur_hash32, seeded_gumbel
+from ops.sampling_hash import murmur_hash32, neg_gumbel_, seeded_neg_gumbel
 
 __all__ = ["SampleOutput", "SamplingBatch", "murmur_hash32", "sample"]
 
@@ -73,16 +73,17 @@ def check_shapes(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Te
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Edited, penalised, temperature-scaled, sanitised logits [B, V] fp32 (a new tensor)."""
-    x = logits.float()
+    x = logits.float()  # a fresh buffer only when the dtype changes
     if batch.logit_edits is not None:
         x = x + batch.logit_edits
     if batch.penalties is not None:
         x = apply_penalties(x, batch.penalties)
+    is_fresh = x.data_ptr() != logits.data_ptr()  # ours to modify in place
     if batch.temperatures is not None:
-        x = x / batch.temperatures[:, None]
+        x = x.div_(batch.temperatures[:, None]) if is_fresh else x / batch.temperatures[:, None]
+        is_fresh = True
     # NaN never wins; +inf (input or temperature overflow) becomes the largest float.
-    out = x if x.data_ptr() != logits.data_ptr() else None
-    return torch.nan_to_num(x, nan=float("-inf"), posinf=_FLOAT_MAX, out=out)
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=_FLOAT_MAX, out=x if is_fresh else None)
 
 
 def apply_penalties(x: torch.Tensor, penalties) -> torch.Tensor:
@@ -114,8 +115,8 @@ def _sample_groups(scaled, batch: SamplingBatch, positions, generator) -> torch.
         elif pick == "plain":
             if vocab_ids is None:
                 vocab_ids = torch.arange(batch.vocab_size, device=scaled.device)
-            noise = _gumbel(group, positions, vocab_ids, rows.shape, generator)  # [R, V]
-            chosen = noise.add_(rows).argmax(dim=-1)
+            noise = _neg_gumbel(group, positions, vocab_ids, rows.shape, generator)  # [R, V]
+            chosen = torch.sub(rows, noise, out=noise).argmax(dim=-1)  # keys = scaled + g
         else:
             chosen = _sample_filtered(rows, group, batch, positions, generator)
         if group.rows is None:
@@ -129,7 +130,7 @@ def _sample_filtered(
 ) -> torch.Tensor:
     """top-k, top-p (the top token always survives), min-p, then Gumbel-max over survivors."""
     fp = batch.filter_params
-    limits = (fp.top_ks, fp.top_ps, fp.min_ps)
+    limits = (fp.top_ks, fp.top_ps, fp.min_ps, fp.needs_mass)
     if fp.width < batch.vocab_size:
         return _draw_filtered(rows, group, limits, fp.width, positions, generator)[0]
     if rows.device.type != "cpu":
@@ -143,7 +144,7 @@ def _sample_filtered(
     pending = (~is_resolved).nonzero().flatten()
     if pending.numel():
         sub = group.subset(pending)
-        sub_limits = tuple(t.index_select(0, pending) for t in limits)
+        sub_limits = (*(t.index_select(0, pending) for t in limits[:3]), limits[3])
         sub_rows = rows.index_select(0, pending)
         full, _ = _draw_filtered(sub_rows, sub, sub_limits, batch.vocab_size, positions, generator)
         chosen.index_copy_(0, pending, full)
@@ -153,36 +154,39 @@ def _sample_filtered(
 def _draw_filtered(rows, group: RowGroup, limits, width: int, positions, generator):
     """Gumbel-max over the `width` best candidates of each row [F, V] after the masks.
 
+    Weights are relative to the row's best candidate, w = exp(v - v0) (so w0 = 1 and min-p is
+    w < min_p); only top-p needs the row's total mass Z = sum exp(x - v0), one extra pass.
     Returns (token ids [F], is_resolved [F]: the last candidate was dropped, so a wider
     candidate set could not change the survivors).
     """
-    top_ks, top_ps, min_ps = limits
+    top_ks, top_ps, min_ps, needs_mass = limits
     if width < rows.shape[-1]:
         values, ids = rows.topk(width, dim=-1)  # [F, W], descending
     else:
         values, ids = rows.sort(dim=-1, descending=True, stable=True)  # [F, V]
-    lse = _safe_logsumexp(rows)  # [F, 1]
-    probs = (values - lse).exp()  # [F, W]
-    cum = probs.cumsum(dim=-1)
+    best = values[:, :1]  # [F, 1]
+    weights = (values - best).exp_()  # [F, W]
     ranks = torch.arange(width, device=rows.device)
     drop = ranks[None, :] >= top_ks[:, None]
-    drop |= (cum - probs) > top_ps[:, None]
-    drop |= probs < probs[:, :1] * min_ps[:, None]
-    keys = values.masked_fill(drop, float("-inf"))
-    keys += _gumbel(group, positions, ids, keys.shape, generator)
+    drop |= weights < min_ps[:, None]
+    if needs_mass:
+        mass = torch.sub(rows, best).exp_().sum(dim=-1, keepdim=True)  # [F, 1]
+        drop |= (weights.cumsum(dim=-1) - weights) > top_ps[:, None] * mass
+    keys = values.masked_fill_(drop, float("-inf"))
+    keys.sub_(_neg_gumbel(group, positions, ids, keys.shape, generator))
     chosen = ids.gather(1, keys.argmax(dim=-1, keepdim=True)).squeeze(1)
     return chosen, drop[:, -1]
 
 
-def _gumbel(group: RowGroup, positions, token_ids, shape, generator) -> torch.Tensor:
-    """Gumbel noise [R, W] for `token_ids` ([W] shared or [R, W]): hashed for seeded rows."""
-    device = positions.device
-    hashed = random = None
+def _neg_gumbel(group: RowGroup, positions, token_ids, shape, generator) -> torch.Tensor:
+    """Negated Gumbel noise -g [R, W] for `token_ids` ([W] shared or [R, W]): hashed for
+    seeded rows; from `generator` for the others (u = 0 gives -g = +inf: that token loses)."""
+    hashed = None
     if group.seeds is not None:
-        hashed = seeded_gumbel(group.seeds, group.take(positions), token_ids)
+        hashed = seeded_neg_gumbel(group.seeds, group.take(positions), token_ids)
         if group.is_all_seeded:
             return hashed
-    random = gumbel_from_uniform(torch.rand(shape, generator=generator, device=device))
+    random = neg_gumbel_(torch.rand(shape, generator=generator, device=positions.device))
     if hashed is None:
         return random
     return torch.where(group.is_seeded[:, None], hashed, random)

@@ -32,6 +32,13 @@ class RowGroup:
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.rows is None else tensor.index_select(0, self.rows)
 
+    def subset(self, picks: torch.Tensor) -> RowGroup:
+        """The group's rows at `picks` (indices into this group), as a group of the batch."""
+        rows = picks if self.rows is None else self.rows.index_select(0, picks)
+        seeds = None if self.seeds is None else self.seeds.index_select(0, picks)
+        is_seeded = None if self.is_seeded is None else self.is_seeded.index_select(0, picks)
+        return RowGroup(rows, picks.numel(), seeds, is_seeded, self.is_all_seeded)
+
 
 @dataclass
 class FilterParams:
@@ -41,6 +48,7 @@ class FilterParams:
     top_ps: torch.Tensor  # [F] fp32
     min_ps: torch.Tensor  # [F] fp32
     width: int  # W: max top_k when every row has top_k <= MAX_BOUNDED_TOP_K, else V
+    needs_mass: bool  # some row has top_p < 1 (needs the row's total probability mass)
 
 
 @dataclass
@@ -160,12 +168,15 @@ def _filter_params(params: list[SamplingParams], vocab_size: int, device) -> Fil
         top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
         min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         width=max(top_ks) if bounded else vocab_size,
+        needs_mass=any(p.top_p < 1.0 for p in params),
     )
 
 
-def _flat_index(rows: list[int], ids: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+def _flat_index(
+    rows: list[int], *id_lists: list[list[int]], vocab_size: int, device
+) -> torch.Tensor:
     """Flat [B * V] positions of every (row, token) pair, in one host-to-device tensor."""
-    flat = [r * vocab_size + t for r in rows for t in ids[r]]
+    flat = [r * vocab_size + t for r in rows for ids in id_lists for t in ids[r]]
     return torch.tensor(flat, dtype=torch.int64, device=device)
 
 
@@ -180,9 +191,12 @@ def _penalties(params, prompt_ids, output_ids, vocab_size: int, device) -> Penal
         repetition = torch.tensor(
             [p.repetition_penalty for p in params], dtype=torch.float32, device=device
         )
-        both = [list(prompt_ids[i]) + list(output_ids[i]) for i in range(num_rows)]
         seen = torch.zeros(num_rows * vocab_size, dtype=torch.bool, device=device)
-        seen[_flat_index(uses_repetition, both, vocab_size, device)] = True
+        seen[
+            _flat_index(
+                uses_repetition, prompt_ids, output_ids, vocab_size=vocab_size, device=device
+            )
+        ] = True
         seen = seen.view(num_rows, vocab_size)
     if uses_counts:
         presence = torch.tensor(
@@ -191,7 +205,7 @@ def _penalties(params, prompt_ids, output_ids, vocab_size: int, device) -> Penal
         frequency = torch.tensor(
             [p.frequency_penalty for p in params], dtype=torch.float32, device=device
         )
-        index = _flat_index(uses_counts, output_ids, vocab_size, device)
+        index = _flat_index(uses_counts, output_ids, vocab_size=vocab_size, device=device)
         counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
         counts.index_add_(0, index, torch.ones(index.numel(), dtype=torch.float32, device=device))
         counts = counts.view(num_rows, vocab_size)

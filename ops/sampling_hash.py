@@ -106,16 +106,30 @@ def to_signed64(seed: int) -> int:
     return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
+def neg_gumbel_(u: torch.Tensor) -> torch.Tensor:
+    """-g = log(-log(u)) from float32 uniforms, in place; callers compute keys as x - (-g)
+    (bitwise equal to x + g, one pass fewer)."""
+    return u.log_().neg_().log_()
+
+
 def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise from float32 uniforms (consumed in place), clamped so it stays finite."""
-    return u.clamp_(U_MIN, U_MAX).log_().neg_().log_().neg_()
+    """Gumbel(0, 1) noise g = -log(-log(u)) from float32 uniforms (consumed), clamped finite."""
+    return neg_gumbel_(u.clamp_(U_MIN, U_MAX)).neg_()
+
+
+def seeded_neg_gumbel(
+    seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Negated float32 Gumbel noise -g [R, W] keyed by (seed [R], position [R], token id [W] or
+    [R, W]): u = h / 0xFFFFFFFF in float32, clamped to [2^-32, 1 - 2^-24]."""
+    h = finish_hash(row_prefix_hash(seeds, positions), token_ids)
+    unsigned = h.to(torch.int64).bitwise_and_(_M32)
+    u = unsigned.to(torch.float32).div_(float(_M32))  # float32(0xFFFFFFFF) == 2^32
+    return neg_gumbel_(u.clamp_(U_MIN, U_MAX))
 
 
 def seeded_gumbel(
     seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor
 ) -> torch.Tensor:
-    """Float32 Gumbel noise [R, W] keyed by (seed [R], position [R], token id [W] or [R, W])."""
-    h = finish_hash(row_prefix_hash(seeds, positions), token_ids)
-    unsigned = h.to(torch.int64).bitwise_and_(_M32)
-    u = unsigned.to(torch.float32).div_(float(_M32))  # float32(0xFFFFFFFF) == 2^32
-    return gumbel_from_uniform(u)
+    """Float32 Gumbel noise g [R, W] of the seeded contract (see seeded_neg_gumbel)."""
+    return seeded_neg_gumbel(seeds, positions, token_ids).neg_()

@@ -4,8 +4,9 @@ For every (batch, vocab, mix) the torch and MLX samplers run side by side in one
 alternating which goes first on each repeat (both run orders), and the table reports medians
 and the MLX / torch ratio. `SamplingBatch.build` (host work the engine pays every step) is timed
 separately. The decode step of the default model (SmolLM2-135M geometry) is estimated with a
-dummy-weights transformers LlamaForCausalLM: one decode token per row over a short KV cache, so
-the "% of step" column reads the sampler's share of a step at that batch size (vocab 49152).
+dummy-weights transformers LlamaForCausalLM (one decode token per row over a --context KV
+cache), timed in the same interleaved loop, so the last column is the sampler's share of a
+step at that batch size, measured side by side (vocab 49152 rows only).
 
 Example:
     .venv/bin/python tools/bench_sampler.py --batch 1,8,32,64 --vocab 49152,151936,201088
@@ -84,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--decode-step",
         choices=("hf-dummy", "none"),
         default="hf-dummy",
-        help="estimate the SmolLM2-135M decode step per batch with dummy weights (default: %(default)s)",
+        help="time the SmolLM2-135M decode step (dummy weights) beside the sampler (default: %(default)s)",
     )
     parser.add_argument(
         "--context",
@@ -119,24 +120,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def decode_step_ms(batch: int, context: int, dtype: torch.dtype, repeats: int) -> float:
-    """Median ms of one decode token per row, SmolLM2-135M geometry, random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+class DecodeStep:
+    """One decode token per row of SmolLM2-135M geometry (random weights) over a `context`-long
+    KV cache; each call decodes the same position, so calls are comparable."""
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to(dtype).eval()
-    prompt = torch.randint(0, SMOLLM2["vocab_size"], (batch, context))
-    with torch.inference_mode():
-        out = model(prompt, use_cache=True)
-        cache = out.past_key_values
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        times = []
-        for _ in range(repeats + 1):  # the first step warms up
-            start = time.perf_counter()
-            model(token, cache=cache, use_cache=True)
-            times.append((time.perf_counter() - start) * 1e3)
-            cache.crop(-1)  # every step decodes position `context`
-    return statistics.median(times[1:])
+    _model = None
+
+    def __init__(self, batch: int, context: int, dtype: torch.dtype):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        if DecodeStep._model is None or DecodeStep._model.dtype != dtype:
+            torch.manual_seed(0)
+            DecodeStep._model = LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to(dtype).eval()
+        self.model = DecodeStep._model
+        prompt = torch.randint(0, SMOLLM2["vocab_size"], (batch, context))
+        with torch.inference_mode():
+            out = self.model(prompt, use_cache=True)
+        self.cache = out.past_key_values
+        self.token = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    @torch.inference_mode()
+    def __call__(self):
+        self.model(self.token, cache=self.cache, use_cache=True)
+        self.cache.crop(-1)
 
 
 def time_calls(fns: dict, repeats: int, warmup: int) -> dict[str, float]:
@@ -165,18 +171,16 @@ def main(argv=None) -> None:
 
         impls["mlx"] = mlx_sample
     impls = {k: v for k, v in impls.items() if k in args.impl}
-    steps = {}
-    if args.decode_step != "none":
-        for b in args.batch:
-            steps[b] = decode_step_ms(b, args.context, dtype, max(3, args.repeats // 2))
+    with_step = args.decode_step != "none" and "torch" in impls
     header = ["batch", "vocab", "mix", "build ms"] + [f"{k} ms" for k in impls]
     if "mlx" in impls and "torch" in impls:
         header.append("mlx/torch")
-    if steps:
-        header += ["decode step ms", "torch % of step"]
+    if with_step:
+        header += ["decode step ms", "(build + torch) / step"]
     print(
         f"# sampler benchmark ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch threads "
-        f"{torch.get_num_threads()}, logits {args.logits} {args.dtype}, medians of {args.repeats}, alternating order)\n"
+        f"{torch.get_num_threads()}, logits {args.logits} {args.dtype}, medians of {args.repeats}, "
+        "alternating order)\n"
     )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -184,20 +188,20 @@ def main(argv=None) -> None:
     for vocab in args.vocab:
         for b in args.batch:
             logits = make_logits(args.logits, b, vocab, gen).to(dtype)
+            is_default_model = with_step and vocab == SMOLLM2["vocab_size"]
+            step = DecodeStep(b, args.context, dtype) if is_default_model else None
             for mix in args.mix:
                 params = [MIXES[mix](i) for i in range(b)]
-                med = measure(impls, logits, params, args.repeats, args.warmup)
+                med = measure(impls, logits, params, args.repeats, args.warmup, step)
                 row = [str(b), str(vocab), mix, f"{med['build']:.3f}"]
                 row += [f"{med[k]:.2f}" for k in impls]
                 if "mlx" in impls and "torch" in impls:
                     row.append(f"{med['mlx'] / med['torch']:.2f}")
-                if steps:
-                    row.append(f"{steps[b]:.1f}")
-                    is_default_model = vocab == SMOLLM2["vocab_size"] and "torch" in impls
-                    share = (
-                        100 * (med["torch"] + med["build"]) / steps[b] if is_default_model else None
-                    )
-                    row.append(f"{share:.1f}%" if share is not None else "-")
+                if step is not None:
+                    share = 100 * (med["torch"] + med["build"]) / med["step"]
+                    row += [f"{med['step']:.1f}", f"{share:.1f}%"]
+                elif with_step:
+                    row += ["-", "-"]
                 print("| " + " | ".join(row) + " |", flush=True)
 
 
@@ -214,9 +218,10 @@ def make_logits(kind: str, batch: int, vocab: int, gen: torch.Generator) -> torc
 
 
 def measure(
-    impls: dict, logits: torch.Tensor, params: list, repeats: int, warmup: int
+    impls: dict, logits, params: list, repeats: int, warmup: int, step=None
 ) -> dict[str, float]:
-    """Median ms per sampler call (each impl) and per SamplingBatch.build, one process."""
+    """Median ms per sampler call (each impl), per SamplingBatch.build and (when given) per
+    decode step, all interleaved in one loop so machine load hits them alike."""
     rows, vocab = logits.shape
     positions = torch.arange(rows, dtype=torch.int64) + 100
     prompts, outputs = [list(range(32))] * rows, [list(range(16))] * rows
@@ -230,6 +235,8 @@ def measure(
         for name, fn in impls.items()
     }
     fns["build"] = build
+    if step is not None:
+        fns["step"] = step
     return time_calls(fns, repeats, warmup)
 
 

@@ -65,6 +65,7 @@ def sample(
     config = {
         "groups": tuple(name for name, g in groups.items() if g is not None),
         "width": batch.filter_params.width if batch.filter_params is not None else 0,
+        "needs_mass": batch.filter_params is not None and batch.filter_params.needs_mass,
         "key_seed": key_seed,
         "needs_logprobs": batch.needs_logprobs,
         "num_top": batch.num_top_logprobs,
@@ -99,10 +100,12 @@ def _sample_island(logits, config, **t):
                 sub = None
             if name == "plain":
                 ids = mx.arange(xr.shape[1], dtype=mx.int64)
-                noise = _noise(mx, seeds, seeded, positions, ids, xr.shape, sub)
-                chosen = mx.argmax(xr + noise, axis=-1)
+                noise = _neg_noise(mx, seeds, seeded, positions, ids, xr.shape, sub)
+                chosen = mx.argmax(xr - noise, axis=-1)
             else:
-                chosen = _filtered(mx, xr, t, config["width"], seeds, seeded, positions, sub)
+                chosen = _filtered(
+                    mx, xr, t, config["width"], config["needs_mass"], seeds, seeded, positions, sub
+                )
         chosen = chosen.astype(mx.int64)
         if rows is None:
             token_ids = chosen
@@ -146,17 +149,20 @@ def _top(mx, x, width: int):
     return mx.take_along_axis(x, ids, axis=-1), ids
 
 
-def _filtered(mx, xr, t, width, seeds, seeded, positions, key):
+def _filtered(mx, xr, t, width, needs_mass, seeds, seeded, positions, key):
+    """The torch path's formula: relative weights w = exp(v - v0), min-p as w < min_p, top-p
+    against the row mass Z = sum exp(x - v0); keys = v - (-g) over the survivors."""
     values, ids = _top(mx, xr, width)  # [F, W], descending
-    lse = _safe_logsumexp(mx, xr)
-    probs = mx.exp(values - lse)
-    cum = mx.cumsum(probs, axis=-1)
+    best = values[:, :1]
+    weights = mx.exp(values - best)
     ranks = mx.arange(width)[None, :]
     drop = ranks >= t["top_ks"][:, None]
-    drop = drop | ((cum - probs) > t["top_ps"][:, None])
-    drop = drop | (probs < probs[:, :1] * t["min_ps"][:, None])
+    drop = drop | (weights < t["min_ps"][:, None])
+    if needs_mass:
+        mass = mx.sum(mx.exp(xr - best), axis=-1, keepdims=True)
+        drop = drop | ((mx.cumsum(weights, axis=-1) - weights) > t["top_ps"][:, None] * mass)
     keys = mx.where(drop, -mx.inf, values)
-    keys = keys + _noise(mx, seeds, seeded, positions, ids.astype(mx.int64), keys.shape, key)
+    keys = keys - _neg_noise(mx, seeds, seeded, positions, ids.astype(mx.int64), keys.shape, key)
     pick = mx.argmax(keys, axis=-1)
     return mx.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
 
@@ -166,20 +172,16 @@ def _safe_logsumexp(mx, x):
     return mx.where(lse == -mx.inf, 0.0, lse)
 
 
-def _gumbel(mx, u):
-    u = mx.clip(u, U_MIN, U_MAX)
-    return -mx.log(-mx.log(u))
-
-
-def _noise(mx, seeds, seeded, positions, token_ids, shape, key):
+def _neg_noise(mx, seeds, seeded, positions, token_ids, shape, key):
+    """-g = log(-log(u)): hashed (clamped, the seeded contract) or from `key` (u = 0 loses)."""
     hashed = None
     if seeds is not None:
         h = murmur_hash32_mx(mx, seeds, positions, token_ids)
         u = h.astype(mx.float32) / mx.array(float(_M32), dtype=mx.float32)
-        hashed = _gumbel(mx, u)
+        hashed = mx.log(-mx.log(mx.clip(u, U_MIN, U_MAX)))
         if seeded is None:  # every row of the group is seeded
             return hashed
-    random = _gumbel(mx, mx.random.uniform(shape=shape, key=key))
+    random = mx.log(-mx.log(mx.random.uniform(shape=shape, key=key)))
     if hashed is None:
         return random
     return mx.where(seeded[:, None], hashed, random)
