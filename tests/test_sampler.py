@@ -346,3 +346,19 @@ def test_logits_shape_must_match_the_batch(sample):
         sample(torch.zeros(2, 11), batch, torch.arange(2), None)
     with pytest.raises(ValueError, match="positions"):
         sample(torch.zeros(2, 10), batch, torch.arange(3), None)
+
+
+def test_input_logits_are_never_modified(sample):
+    logits = rand_logits(5, 200, seed=15)
+    logits[0, 3] = float("nan")
+    before = logits.clone()
+    params = [
+        SP(temperature=0),
+        SP(),
+        SP(top_p=0.8, logprobs=True),
+        SP(seed=3, min_p=0.1),
+        SP(repetition_penalty=1.5),
+    ]
+    run(sample, logits, params, output=[[1, 2]] * 5)
+    run(sample, logits, [SP(temperature=0)] * 5)
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num()) and logits[0, 3].isnan()
