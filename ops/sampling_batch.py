@@ -175,8 +175,11 @@ def _filter_params(params: list[SamplingParams], vocab_size: int, device) -> Fil
 def _flat_index(
     rows: list[int], *id_lists: list[list[int]], vocab_size: int, device
 ) -> torch.Tensor:
-    """Flat [B * V] positions of every (row, token) pair, in one host-to-device tensor."""
-    flat = [r * vocab_size + t for r in rows for ids in id_lists for t in ids[r]]
+    """Flat [B * V] positions of every (row, token) pair, in one host-to-device tensor. Ids
+    outside the logits' width (tokenizer extras) cannot be penalised and are skipped."""
+    flat = [
+        r * vocab_size + t for r in rows for ids in id_lists for t in ids[r] if 0 <= t < vocab_size
+    ]
     return torch.tensor(flat, dtype=torch.int64, device=device)
 
 

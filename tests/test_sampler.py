@@ -362,3 +362,16 @@ def test_input_logits_are_never_modified(sample):
     run(sample, logits, params, output=[[1, 2]] * 5)
     run(sample, logits, [SP(temperature=0)] * 5)
     assert torch.equal(logits.nan_to_num(), before.nan_to_num()) and logits[0, 3].isnan()
+
+
+def test_penalty_ids_outside_the_vocabulary_do_not_leak_into_other_rows():
+    logits = torch.zeros(2, 8)
+    logits[1, 2] = 1.0  # flat index 8 + 2 == row 0's token 10 (outside V) if ids were not checked
+    params = [
+        SP(temperature=0, repetition_penalty=2.0),
+        SP(temperature=0, repetition_penalty=2.0, logprobs=True),
+    ]
+    batch = build(params, 8, prompt=[[10], []], output=[[], []])
+    assert batch.penalties.seen.sum() == 0
+    out = torch_sample(logits, batch, torch.arange(2))
+    assert out.token_ids[1] == 2
