@@ -8,6 +8,9 @@ sync. Rows take one of three paths, chosen on the host when the batch was built:
   filtering  top-k / top-p / min-p on sorted probabilities, then argmax(scaled + g) over the
              survivors. When every filtering row has top_k <= 1024 only the [F, K] top
              candidates are sorted and drawn (bounded top-K); otherwise the full vocabulary.
+             On CPU, where reading a tensor is no device sync, full-vocabulary rows first try
+             the 1024 best candidates and only rows whose survivors might lie beyond them pay
+             the full sort (exact: the masks are monotone in rank).
 Seeded rows draw g from MurmurHash3(seed, position, token id), so their token is independent of
 batchmates, RNG state and path; other rows draw from `generator`.
 
