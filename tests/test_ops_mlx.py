@@ -168,3 +168,35 @@ def test_island_runs_several_ops_in_one_crossing():
     h = ref["norm"].rms_norm(x, weight, 1e-5)
     q, k = ref["rope"].apply_rope(h, h, positions, inv_freq, 1.0)
     _close(got, ref["attention"].attention(q, k, h, positions, None, sm_scale=0.25))
+
+
+def test_mlx_moe_accepts_borrowed_weight_views_and_imports_only_the_tokens():
+    e, h, i = 8, 32, 16
+    x = _randn(6, h, seed=1)
+    weights = [
+        _randn(e, h, seed=2),
+        _randn(e, 2 * i, h, seed=3, scale=0.3),
+        _randn(e, h, i, seed=4, scale=0.3),
+    ]
+    views = bridge.borrow_torch_tensors(*weights)
+    kwargs = {"top_k": 2, "norm_topk_prob": True}
+    bridge.reset_stats()
+    got = mlx["moe"].moe_qwen3(x, *views, **kwargs)
+    assert bridge.stats().imports == 1  # x only; the experts were borrowed once, above
+    _close(got, ref["moe"].moe_qwen3(x, *weights, **kwargs))
+
+
+def test_mlx_attention_padding_rows_are_finite_and_bad_shapes_fail_before_crossing():
+    q = _randn(2, 4, 3, 16, seed=1)
+    k = _randn(2, 2, 6, 16, seed=2)
+    layout = KeyLayout(torch.tensor([0, 0]), torch.tensor([6, 0]))  # row 1: pure padding
+    positions = torch.tensor([[3, 4, 5], [0, 0, 0]])
+    got = mlx["attention"].attention(q, k, k, positions, layout, sm_scale=0.5)
+    assert torch.isfinite(got).all()
+    want = ref["attention"].attention(q, k, k, positions, layout, sm_scale=0.5)
+    _close(got[0], want[0])
+    bridge.reset_stats()
+    with pytest.raises(ValueError, match="Hkv=3 must divide Hq=4"):
+        k3 = k[:, :1].expand(2, 3, 6, 16)
+        mlx["attention"].attention(q, k3, k3, positions, layout, sm_scale=1.0)
+    assert bridge.stats().imports == 0
