@@ -143,7 +143,7 @@ def run(args) -> list[tuple]:
     if use_mlx:
         import mlx.core as mx
 
-        from bridge import mlx_call_multi, torch_to_mlx
+        from bridge import borrow_torch_tensors, mlx_call_multi, torch_to_mlx
         from ops.mlx import attention as m_att
         from ops.mlx import moe as m_moe
         from ops.mlx import norm as m_norm
@@ -211,6 +211,10 @@ def run(args) -> list[tuple]:
                 if use_mlx:
                     v |= {"mlx": lambda x=x, w=wts, k=topk: m_moe.moe_gpt_oss(x, *w, top_k=k),
                           "mlx_compute": pure(m_moe.moe_gpt_oss_mx, x, *wts, top_k=g["top_k"], limit=7.0, alpha=1.702)}  # fmt: skip
+                    views = borrow_torch_tensors(*wts)  # what a model keeping MLX views would pass
+                    v["mlx, experts borrowed once"] = lambda x=x, w=views, k=topk: (
+                        m_moe.moe_gpt_oss(x, *w, top_k=k)
+                    )
                 if args.moe_layouts:  # same values, stored [E, out, in] and passed as a view
                     wt = [
                         w.transpose(1, 2).contiguous().transpose(1, 2) if w.dim() == 3 else w
