@@ -33,12 +33,14 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Holds inv_freq (built on CPU even when the model is built on `meta`, a non-persistent buffer)."""
+    """Holds inv_freq (built on CPU even when the model is built on `meta`, a non-persistent buffer).
 
-    def __init__(self, args: ModelArgs):
+    `layer_type` picks a per-layer-type entry of `rope_parameters` (Gemma 3 keeps two)."""
+
+    def __init__(self, args: ModelArgs, layer_type: str | None = None):
         super().__init__()
         with torch.device("cpu"):
-            inv_freq, self.attention_scaling = ops.rope_init(args)
+            inv_freq, self.attention_scaling = ops.rope_init(args, layer_type)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D_rot / 2] fp32
 
     def forward(self, q, k, positions):
@@ -57,12 +59,14 @@ class Attention(nn.Module):
         o_bias: bool,
         qk_norm: bool = False,
         sinks: bool = False,
+        norm_cls: type[nn.Module] = RMSNorm,
+        scale: float | None = None,
     ):
         super().__init__()
         self.num_heads = args.num_attention_heads
         self.num_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
         self.window = args.layer_window(layer_idx)
         hidden, q_size, kv_size = (
             args.hidden_size,
@@ -73,8 +77,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if qk_norm else None
+        self.q_norm = norm_cls(self.head_dim, args.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm_cls(self.head_dim, args.rms_norm_eps) if qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
 
     def forward(
@@ -97,19 +101,25 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): the Llama/Qwen SwiGLU feed-forward."""
+    """down(act(gate(x)) * up(x)): the Llama/Qwen SwiGLU (and Gemma GeGLU) feed-forward."""
 
     def __init__(self, hidden: int, intermediate: int, *, bias: bool = False, act: str = "silu"):
         super().__init__()
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported; allowed values: silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act={act!r} is not supported; allowed values: {', '.join(ACTIVATIONS)}"
+            )
+        self.act = ACTIVATIONS[act]
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -19,6 +19,7 @@ FAMILIES: dict[str, str] = {
     "qwen3": "models.qwen3",
     "qwen3_moe": "models.qwen3_moe",
     "gpt_oss": "models.gpt_oss",
+    "gemma3_text": "models.gemma3",
 }
 
 

@@ -16,7 +16,7 @@ def args_for(model_type, **overrides):
     return get_family(model_type).ModelArgs.from_hf_config(config), config
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "gpt_oss", "gemma3_text"])
 def test_layer_types_follow_the_transformers_config(model_type):
     args, config = args_for(model_type)
     assert args.layer_types == list(config.layer_types)
@@ -91,3 +91,9 @@ def test_bad_layer_type_names_allowed_values():
                 "layer_types": ["full_attention", "chunked_attention"],
             }
         )
+
+
+def test_attention_softcapping_is_refused_with_its_field_name():
+    config = tiny_config("gemma3_text", attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
+        get_family("gemma3_text").ModelArgs.from_hf_config(config)

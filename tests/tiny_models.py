@@ -91,6 +91,19 @@ TINY_CONFIGS: dict[str, dict] = {
             original_max_position_embeddings=64,
         ),
     ),
+    "gemma3_text": dict(
+        num_hidden_layers=4,
+        intermediate_size=128,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=3.0,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+    ),
 }
 FAMILIES = tuple(TINY_CONFIGS)
 
@@ -113,12 +126,12 @@ def build_tiny_model(model_type: str, *, seed: int = 0, **overrides):
     model = AutoModelForCausalLM.from_config(
         tiny_config(model_type, **overrides), attn_implementation="eager"
     )
-    if model_type == "gpt_oss":
-        # HF initialises router/expert biases to 0; random ones exercise the bias paths
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("_bias") or name.endswith("router.bias"):
-                    param.normal_(0, 0.05)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # HF initialises norms to a constant and biases to 0: perturb them so the weight
+            # and bias paths are exercised (a norm that ignored its weight would still pass)
+            if "norm" in name or name.endswith(("_bias", "router.bias", ".sinks")):
+                param.add_(torch.randn_like(param) * 0.1)
     return model.eval()
 
 
