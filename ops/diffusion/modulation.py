@@ -12,17 +12,19 @@ import torch
 
 def broadcast_modulation(x: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
     """Shape `value` against x [B, N, D]: a 2-D value is [B, D] (per sample), else it must broadcast."""
-    given = tuple(value.shape)
+    given = value.shape
     if value.dim() == 2 and x.dim() == 3:
         value = value[:, None, :]  # [B, D] -> [B, 1, D]
-    # Plain tuple checks: torch.broadcast_shapes costs ~40 us per call, more than the op itself.
-    shape, target = tuple(value.shape), tuple(x.shape)
-    fits = len(shape) <= len(target) and all(
-        s in (1, t) for s, t in zip(reversed(shape), reversed(target))
-    )
+    # Plain loop: torch.broadcast_shapes costs ~40 us per call, more than the op itself.
+    shape, target = value.shape, x.shape
+    fits = len(shape) <= len(target)
+    for offset in range(1, len(shape) + 1) if fits else ():
+        if shape[-offset] != 1 and shape[-offset] != target[-offset]:
+            fits = False
+            break
     if not fits:
         raise ValueError(
-            f"modulate: {name} has shape {given}, which does not broadcast to x "
+            f"modulate: {name} has shape {tuple(given)}, which does not broadcast to x "
             f"{tuple(x.shape)}; allowed: [B, D] per sample or a 1-D/3-D shape broadcastable to x"
         )
     return value

@@ -12,19 +12,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+_REAL = (int, float)
+
 
 def check_norm_params(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> None:
     """Reject parameters that do not fit `x`'s last dim, naming the bad field."""
-    hidden = x.shape[-1]
+    hidden = x.shape[-1:]  # torch.Size([D]): compared in C, this check runs on every call
     for name, param in (("weight", weight), ("bias", bias)):
-        if param is not None and tuple(param.shape) != (hidden,):
+        if param is not None and param.shape != hidden:
             raise ValueError(
-                f"norm_infer: {name} must have shape [{hidden}] (x's last dim) or be None; "
+                f"norm_infer: {name} must have shape [{hidden[0]}] (x's last dim) or be None; "
                 f"got {tuple(param.shape)}"
             )
-    if not (isinstance(eps, int | float) and eps > 0):
+    if not (isinstance(eps, _REAL) and eps > 0):
         raise ValueError(f"norm_infer: eps must be a positive float; got {eps!r}")
 
 
