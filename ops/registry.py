@@ -80,14 +80,15 @@ def parse_mlx_ops(raw: str | None) -> frozenset[str] | None:
     return names
 
 
-def _load(path: str) -> Callable:
+def load(path: str) -> Callable:
+    """Import "module:function" and return the function."""
     module_name, func_name = path.split(":")
     return getattr(importlib.import_module(module_name), func_name)
 
 
 def _lazy(name: str, path: str) -> Callable:
     def resolve_and_call(*args, **kwargs):
-        impl = _IMPLS[name] = _load(path)
+        impl = _IMPLS[name] = load(path)
         return impl(*args, **kwargs)
 
     return resolve_and_call

@@ -50,6 +50,14 @@ def test_every_op_has_a_torch_and_an_mlx_path_and_a_public_dispatcher():
     )
 
 
+@pytest.mark.parametrize("name", list(registry.OPS))
+def test_every_registered_path_resolves_to_a_function(name):
+    torch_path, mlx_path = registry.OPS[name]
+    assert callable(registry.load(torch_path))
+    if HAS_MLX:
+        assert callable(registry.load(mlx_path))
+
+
 def test_mlx_off_routes_everything_to_torch_even_with_mlx_ops_set(monkeypatch, caplog):
     monkeypatch.setenv(registry.ENV_MLX_OPS, "all")
     with caplog.at_level(logging.WARNING, logger="ops"):
