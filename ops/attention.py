@@ -146,6 +146,11 @@ def check_attention_args(q, k, v, q_positions, layout, window, sinks) -> None:
             f"attention: layout=None means keys are this chunk's tokens, so S must equal N; "
             f"got S={k.shape[2]}, N={q.shape[2]}"
         )
+    if layout is not None and layout.is_causal_tail and k.shape[2] < q.shape[2]:
+        raise ValueError(
+            f"attention: layout.is_causal_tail needs the N={q.shape[2]} queries among the "
+            f"S={k.shape[2]} keys (S >= N)"
+        )
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be None or >= 1; got {window}")
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):

@@ -202,3 +202,10 @@ def test_portable_sdpa_path_matches_brute_force(monkeypatch, window, has_sinks, 
     for layout in layouts:
         got = attention(q, k, v, q_positions, layout, sm_scale=0.3, sinks=sinks, window=window)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_tail_layout_with_fewer_keys_than_queries_is_rejected():
+    q, k = torch.randn(1, 4, 5, D), torch.randn(1, 2, 3, D)
+    layout = KeyLayout.contiguous(torch.tensor([3]), is_causal_tail=True)
+    with pytest.raises(ValueError, match="is_causal_tail needs the N=5 queries among the S=3"):
+        attention(q, k, k, torch.arange(5)[None], layout, sm_scale=1.0)
