@@ -26,6 +26,8 @@ from models.args import FULL_ATTENTION, SLIDING_ATTENTION
 from models.args import ModelArgs as BaseArgs
 from models.layers import Attention, GatedMLP, Rotary
 
+DUMMY_NORM_WEIGHT = 0.0  # the loader's random weights: zero-centred norms scale by 1
+
 
 @dataclass
 class ModelArgs(BaseArgs):

@@ -87,7 +87,8 @@ def load_model(
         model = family.Model(args)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if load_format == "dummy":
-        weights = dummy_weights(expected, target_dtype, torch_device)
+        norm_value = getattr(family, "DUMMY_NORM_WEIGHT", 1.0)  # Gemma stores norms as 1 + w
+        weights = dummy_weights(expected, target_dtype, torch_device, norm_value=norm_value)
     else:
         weights = _checkpoint_weights(family, args, files, path)
         check_weights(expected, weights)
@@ -206,15 +207,19 @@ def check_weights(expected: dict[str, tuple[int, ...]], weights: dict[str, torch
 
 
 def dummy_weights(
-    expected: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device
+    expected: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    norm_value: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """Seeded random weights: norms 1, biases 0, everything else N(0, 0.02)."""
+    """Seeded random weights: norms `norm_value`, biases 0, everything else N(0, 0.02)."""
     generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
     weights = {}
     for name, shape in expected.items():
         leaf = name.rsplit(".", 2)
         if "norm" in leaf[-2] and leaf[-1] == "weight":
-            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+            weights[name] = torch.full(shape, norm_value, dtype=dtype, device=device)
         elif name.endswith("bias"):
             weights[name] = torch.zeros(shape, dtype=dtype, device=device)
         else:

@@ -261,3 +261,12 @@ def test_legacy_rope_keys_load_like_rope_parameters(tmp_path):
     with torch.no_grad():
         want = build_tiny_model("llama")(IDS).logits
     assert (logits(loaded, IDS) - want).abs().max().item() < 1e-4
+
+
+def test_dummy_gemma_norms_scale_by_one(tmp_path):
+    """Gemma norms multiply by (1 + weight): dummy weights must be 0 there, not 1."""
+    path = save_tiny_checkpoint("gemma3_text", tmp_path)
+    (path / "model.safetensors").unlink()
+    named = dict(load(path, load_format="dummy").model.named_parameters())
+    assert torch.equal(named["model.norm.weight"], torch.zeros(64))
+    assert torch.equal(named["model.layers.0.self_attn.q_norm.weight"], torch.zeros(16))
