@@ -229,3 +229,12 @@ def test_bad_requests_name_the_field(checkpoints):
         _engine(path, chunked_prefill_size=2)
     with pytest.raises(ValueError, match="dtype"):
         _engine(path, dtype="int8")
+
+
+def test_a_request_longer_than_the_pool_stops_at_the_pool_size(checkpoints):
+    path, hf = checkpoints["llama"]
+    engine = _engine(path, max_total_tokens=32)  # 8 blocks of 4: smaller than max_model_len
+    assert engine.max_model_len == 32
+    prompt = [5, 6, 7]
+    out = engine.generate([prompt], SamplingParams(max_tokens=100, **GREEDY))[0]
+    assert out.finish_reason == "length" and out.token_ids == _reference(hf, prompt, 29)

@@ -66,6 +66,14 @@ class Engine:
         eos.update(hf_eos if isinstance(hf_eos, list) else [] if hf_eos is None else [hf_eos])
         self.eos_token_ids = eos
         num_blocks = self._num_blocks(config)
+        if num_blocks * config.block_size < self.max_model_len:
+            # a lone request must always fit, or preemption could never make room for it
+            logger.warning(
+                "max_model_len %d exceeds the KV pool (%d tokens); capping it",
+                self.max_model_len,
+                num_blocks * config.block_size,
+            )
+            self.max_model_len = num_blocks * config.block_size
         self.runner = ModelRunner(loaded, config, num_blocks, self.device, self.dtype, sorted(eos))
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.prefix_cache = (
