@@ -30,6 +30,7 @@ def _generate(pipe, prompt, output_type):
     return out.images
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_patched_pipeline_generates_the_same_latents_and_images(dtype):
     pipe = tiny_flux_pipeline(num_layers=1, num_single_layers=1).to(dtype)
