@@ -112,3 +112,14 @@ def test_payload_gated_match_stops_at_deepest_payload_node():
     _insert(cache, bm, [7] * 4, payload="other")  # the cap (1) drops the older payload
     assert cache.num_payloads == 1
     assert cache.match_prefix(tokens, 16, need_payload=True) == ([], None)
+
+
+def test_deep_chains_do_not_recurse():
+    bm = BlockManager(num_blocks=4096, block_size=1)
+    cache = RadixCache(bm)
+    table: list[int] = []
+    bm.grow(table, 3000)  # one 3000-block path, deeper than Python's recursion limit
+    cache.insert(list(range(3000)), table)
+    bm.release(table)
+    assert cache.num_evictable_blocks() == 3000
+    assert cache.evict(3000) == 3000 and bm.num_free_blocks == 4096

@@ -138,21 +138,22 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def num_evictable_blocks(self) -> int:
-        """Blocks that repeated leaf eviction could free now (O(nodes))."""
-
-        def count(node: _Node) -> tuple[int, bool]:
-            total, all_free = 0, True
-            for child in node.children.values():
-                sub, free = count(child)
-                total += sub
-                all_free = all_free and free
-            if node is self._root:
-                return total, all_free
-            if all_free and self.block_manager.refcount(node.block_id) == 1:
-                return total + 1, True
-            return total, False
-
-        return count(self._root)[0]
+        """Blocks that repeated leaf eviction could free now (O(nodes), no recursion: a long
+        prompt is a chain thousands of nodes deep)."""
+        order, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        is_free: dict[int, bool] = {}
+        total = 0
+        for node in reversed(order):  # children before their parents
+            free = self.block_manager.refcount(node.block_id) == 1 and all(
+                is_free[id(c)] for c in node.children.values()
+            )
+            is_free[id(node)] = free
+            total += free
+        return total
 
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` blocks, least recently used leaves first; returns freed."""
