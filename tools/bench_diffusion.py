@@ -6,7 +6,8 @@ load drifts hit them alike. A step's time is the gap between two consecutive ste
 (the first step of each run, which includes set-up, is dropped), measured twice: process CPU
 time (all threads; robust when the box is oversubscribed, since time spent descheduled is not
 counted) and wall time. Prints a markdown table of medians and ratios to unpatched, per order
-and overall, plus bridge crossings (mx.eval calls) per step for MLX.
+and overall, plus bridge crossings (mx.eval calls) per step for MLX, then a per-call table of
+each op (torch reference vs MLX variant) at the pipeline's shapes.
 
 MLX is enabled inside this process (TORCH_RUNNER_USE_MLX=1) before ops is imported, so patched-MLX
 can be compared with the others in the same run; --no-mlx skips it.
@@ -101,6 +102,55 @@ def median_ms(samples: list[tuple[float, float]], which: int) -> float:
     return statistics.median(sample[which] for sample in samples) * 1e3
 
 
+def op_table(args, torch) -> None:
+    """Per-call cost of each op, torch reference vs MLX variant, at this pipeline's shapes."""
+    from ops.diffusion import dit_rope, modulate, norm_infer
+    from ops.diffusion import mlx as mlx_ops
+
+    dtype = getattr(torch, DTYPES[args.dtype])
+    tokens, width = (args.size // 2) ** 2, args.heads * args.head_dim
+    x = torch.randn(1, tokens, width).to(dtype)  # [B, N, D]
+    q = torch.randn(1, tokens, args.heads, args.head_dim).to(dtype)  # [B, S, H, Dh]
+    weight, shift, scale = torch.ones(args.head_dim), torch.randn(1, width), torch.randn(1, width)
+    cos, sin = torch.rand(tokens, args.head_dim), torch.rand(tokens, args.head_dim)
+    cases = {
+        f"norm_infer layer [1, {tokens}, {width}]": lambda f: f(x, None, None, 1e-6, False),
+        f"norm_infer rms+weight [1, {tokens}, {args.heads}, {args.head_dim}]": lambda f: f(
+            q, weight, None, 1e-6, True
+        ),
+        f"modulate [1, {tokens}, {width}]": lambda f: f(x, shift.to(dtype), scale.to(dtype)),
+        f"dit_rope [1, {tokens}, {args.heads}, {args.head_dim}]": lambda f: f(q, cos, sin, True, 1),
+    }
+    impls = {
+        "torch": {"norm_infer": norm_infer, "modulate": modulate, "dit_rope": dit_rope},
+        "mlx": {
+            "norm_infer": mlx_ops.norm_infer,
+            "modulate": mlx_ops.modulate,
+            "dit_rope": mlx_ops.dit_rope,
+        },
+    }
+    print(f"\nPer call, {args.dtype}, median of {args.rounds} rounds x 50 calls, both orders:\n")
+    print("| op | torch CPU us | MLX CPU us | MLX/torch CPU | torch wall us | MLX wall us |")
+    print("|---|---|---|---|---|---|")
+    for label, call in cases.items():
+        name = label.split()[0]
+        samples = {"torch": [], "mlx": []}
+        for round_index in range(args.rounds):
+            for backend in ("torch", "mlx") if round_index % 2 == 0 else ("mlx", "torch"):
+                fn = impls[backend][name]
+                cpu, wall = time.process_time(), time.perf_counter()
+                for _ in range(50):
+                    call(fn)
+                samples[backend].append(
+                    ((time.process_time() - cpu) / 50, (time.perf_counter() - wall) / 50)
+                )
+        t_cpu, m_cpu = (median_ms(samples[b], 0) * 1e3 for b in ("torch", "mlx"))
+        t_wall, m_wall = (median_ms(samples[b], 1) * 1e3 for b in ("torch", "mlx"))
+        print(
+            f"| {label} | {t_cpu:.1f} | {m_cpu:.1f} | {m_cpu / t_cpu:.2f} | {t_wall:.1f} | {m_wall:.1f} |"
+        )
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     configs = CONFIGS[:2] if args.no_mlx else CONFIGS
@@ -165,6 +215,8 @@ def main(argv=None) -> None:
             cells += [f"{med:.2f}", f"{fwd:.2f} / {rev:.2f}", f"{ratio:.3f}"]
         cells.append(f"{crossings:.0f}" if config == "patched-mlx" else "0")
         print("| " + " | ".join(cells) + " |")
+    if not args.no_mlx:
+        op_table(args, torch)
 
 
 if __name__ == "__main__":
