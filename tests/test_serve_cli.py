@@ -105,3 +105,13 @@ def test_invalid_engine_flag_exits_naming_it(run_main):
     assert code == 2
     assert "max_num_seqs" in stderr
     assert MISSING_MODEL not in stderr
+
+
+def test_mlx_gate_passes_on_cpu_then_the_model_is_resolved(run_main):
+    # mlx[cpu] is installed here, so the gate accepts cpu and start-up proceeds to the model,
+    # which is where this run fails (with a clean message, not a traceback).
+    code, stderr = run_main(
+        "--model", MISSING_MODEL, "--device", "cpu", env={"TORCH_RUNNER_USE_MLX": "1"}
+    )
+    assert code == 2
+    assert "could not start the engine" in stderr and MISSING_MODEL in stderr
