@@ -163,6 +163,8 @@ def test_unmappable_norms_are_left_alone_with_a_reason():
     assert "2 trailing dims" in left["plane"]
     assert "channel groups" in left["groups"]
     torch.testing.assert_close(_forward_plain(model, x), expected, atol=1e-5, rtol=0)
+    [root] = patch(nn.LayerNorm(8)).left_alone
+    assert "patch its parent" in root.detail
 
 
 def _forward_plain(model, x):

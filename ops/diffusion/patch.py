@@ -161,9 +161,14 @@ def patch(module: nn.Module, backend: str | None = None) -> PatchReport:
     patching twice is harmless. Returns a PatchReport; `unpatch(module)` undoes it.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"patch: module must be a torch.nn.Module; got {type(module).__name__}")
+        raise TypeError(
+            f"patch: module must be a torch.nn.Module (e.g. pipe.transformer); got {type(module).__name__}"
+        )
     ops = resolve_ops(backend)
     report = PatchReport(backend=ops.backend)
+    if _kind(module) in _NORMS or _kind(module) in _MODULATED:
+        reason = "the root module cannot be swapped in place; patch its parent"
+        report.left_alone.append(PatchEntry("", _kind(module), reason))
     _visit(module, "", ops, report)
     return report
 
