@@ -248,6 +248,21 @@ def test_stop_string_truncates_and_reports_stop(client):
     )
     assert reply.choices[0].text == full[: full.index(stop)]
     assert reply.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=40,
+            stop=stop,
+            stream=True,
+            **GREEDY,
+            **NO_EOS,
+        )
+    )
+    assert (
+        "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
+    )  # held-back text never leaks
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_max_tokens_bounds_length_and_finish_reason(client):
