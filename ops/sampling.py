@@ -9,8 +9,8 @@ sync. Rows take one of three paths, chosen on the host when the batch was built:
              survivors. When every filtering row has top_k <= 1024 only the [F, K] top
              candidates are sorted and drawn (bounded top-K); otherwise the full vocabulary.
              On CPU, where reading a tensor is no device sync, full-vocabulary rows first try
-             the 1024 best candidates and only rows whose survivors might lie beyond them pay
-             the full sort (exact: the masks are monotone in rank).
+             the 64, then the 1024 best candidates; only rows whose survivors might lie beyond
+             them pay the full sort (exact: the masks are monotone in rank).
 Seeded rows draw g from MurmurHash3(seed, position, token id), so their token is independent of
 batchmates, RNG state and path; other rows draw from `generator`.
 
@@ -32,6 +32,7 @@ from ops.sampling_hash import murmur_hash32, neg_gumbel_, seeded_neg_gumbel
 __all__ = ["SampleOutput", "SamplingBatch", "murmur_hash32", "sample"]
 
 _FLOAT_MAX = torch.finfo(torch.float32).max
+CPU_TIER_WIDTHS = (64, MAX_BOUNDED_TOP_K)  # candidate widths tried before the full sort (CPU)
 
 
 class SampleOutput(NamedTuple):
@@ -133,47 +134,59 @@ def _sample_filtered(
 ) -> torch.Tensor:
     """top-k, top-p (the top token always survives), min-p, then Gumbel-max over survivors."""
     fp = batch.filter_params
-    limits = (fp.top_ks, fp.top_ps, fp.min_ps, fp.needs_mass)
-    if fp.width < batch.vocab_size:
+    mass = _row_mass(rows) if fp.needs_mass else None  # [F, 1]
+    limits = (fp.top_ks, fp.top_ps, fp.min_ps, mass)
+    if fp.width < batch.vocab_size or rows.device.type != "cpu":
         return _draw_filtered(rows, group, limits, fp.width, positions, generator)[0]
-    if rows.device.type != "cpu":
-        return _draw_filtered(rows, group, limits, batch.vocab_size, positions, generator)[0]
-    # CPU (where reading a tensor is not a device sync): try the bounded width first. The masks
-    # are monotone in rank, so a row whose last candidate is already dropped has all its
-    # survivors among the candidates: the full sort would give the same token. Only the
-    # other rows pay the full sort.
-    width = min(MAX_BOUNDED_TOP_K, batch.vocab_size)
-    chosen, is_resolved = _draw_filtered(rows, group, limits, width, positions, generator)
-    pending = (~is_resolved).nonzero().flatten()
-    if pending.numel():
-        sub = group.subset(pending)
-        sub_limits = (*(t.index_select(0, pending) for t in limits[:3]), limits[3])
-        sub_rows = rows.index_select(0, pending)
-        full, _ = _draw_filtered(sub_rows, sub, sub_limits, batch.vocab_size, positions, generator)
-        chosen.index_copy_(0, pending, full)
+    # CPU (where reading a tensor is no device sync): widen in tiers. The masks are monotone in
+    # rank, so a row whose last candidate is already dropped has all its survivors among the
+    # candidates and the full sort would pick the same token; only the others go wider.
+    widths = [w for w in CPU_TIER_WIDTHS if w < batch.vocab_size] + [batch.vocab_size]
+    chosen = pending = None  # pending: indices into `rows` still to resolve
+    for width in widths:
+        if pending is None:
+            sub_group, sub_rows, sub_limits = group, rows, limits
+        else:
+            sub_group, sub_rows = group.subset(pending), rows.index_select(0, pending)
+            sub_limits = tuple(t if t is None else t.index_select(0, pending) for t in limits)
+        got, is_resolved = _draw_filtered(
+            sub_rows, sub_group, sub_limits, width, positions, generator
+        )
+        if pending is None:
+            chosen = got
+        else:
+            chosen.index_copy_(0, pending, got)
+        unresolved = (~is_resolved).nonzero().flatten()
+        if not unresolved.numel():
+            break
+        pending = unresolved if pending is None else pending.index_select(0, unresolved)
     return chosen
+
+
+def _row_mass(rows: torch.Tensor) -> torch.Tensor:
+    """Z = sum(exp(x - max)) per row [F, 1]: the softmax denominator relative to the best logit."""
+    best = rows.amax(dim=-1, keepdim=True)
+    return torch.sub(rows, best).exp_().sum(dim=-1, keepdim=True)
 
 
 def _draw_filtered(rows, group: RowGroup, limits, width: int, positions, generator):
     """Gumbel-max over the `width` best candidates of each row [F, V] after the masks.
 
     Weights are relative to the row's best candidate, w = exp(v - v0) (so w0 = 1 and min-p is
-    w < min_p); only top-p needs the row's total mass Z = sum exp(x - v0), one extra pass.
+    w < min_p); top-p compares cumulative weights with top_p * Z (Z from `_row_mass`).
     Returns (token ids [F], is_resolved [F]: the last candidate was dropped, so a wider
     candidate set could not change the survivors).
     """
-    top_ks, top_ps, min_ps, needs_mass = limits
+    top_ks, top_ps, min_ps, mass = limits
     if width < rows.shape[-1]:
         values, ids = rows.topk(width, dim=-1)  # [F, W], descending
     else:
         values, ids = rows.sort(dim=-1, descending=True, stable=True)  # [F, V]
-    best = values[:, :1]  # [F, 1]
-    weights = (values - best).exp_()  # [F, W]
+    weights = (values - values[:, :1]).exp_()  # [F, W]
     ranks = torch.arange(width, device=rows.device)
     drop = ranks[None, :] >= top_ks[:, None]
     drop |= weights < min_ps[:, None]
-    if needs_mass:
-        mass = torch.sub(rows, best).exp_().sum(dim=-1, keepdim=True)  # [F, 1]
+    if mass is not None:
         drop |= (weights.cumsum(dim=-1) - weights) > top_ps[:, None] * mass
     keys = values.masked_fill_(drop, float("-inf"))
     keys.sub_(_neg_gumbel(group, positions, ids, keys.shape, generator))

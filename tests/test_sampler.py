@@ -312,20 +312,24 @@ def test_mlx_and_torch_pick_same_greedy_and_seeded_tokens():
     assert torch.equal(a.token_ids, b.token_ids)
 
 
-def test_top_p_rows_beyond_the_candidate_width_match_reference(sample):
-    """Nuclei larger than the 1024 bounded candidates (flat rows) and small ones (peaked rows)
-    mixed in one batch: every seeded row still picks the reference token."""
+def test_top_p_rows_of_every_nucleus_size_match_reference(sample):
+    """Nuclei within 64 candidates, within 1024, and beyond (the CPU path's three tiers) mixed
+    in one batch: every seeded row still picks the reference token."""
     vocab = 3000
-    peaked, flat = (
+    rows = [
         rand_logits(1, vocab, scale=4.0, seed=13)[0],
-        rand_logits(1, vocab, scale=0.1, seed=14)[0],
-    )
-    logits = torch.stack([peaked, flat] * 6)
+        rand_logits(1, vocab, scale=2.5, seed=17)[0],
+    ]
+    rows.append(rand_logits(1, vocab, scale=0.1, seed=14)[0])
+    sizes = [
+        int((torch.softmax(r / 0.9, -1).sort(descending=True).values.cumsum(0) < 0.9).sum()) + 1
+        for r in rows
+    ]
+    assert sizes[0] <= 64 < sizes[1] <= 1024 < sizes[2]
+    logits = torch.stack(rows * 4)
     params = [
         SP(top_p=0.9, seed=r, temperature=0.9, min_p=0.0 if r % 4 else 0.01) for r in range(12)
     ]
-    probs = torch.softmax(flat / 0.9, -1).sort(descending=True).values
-    assert (probs.cumsum(0) < 0.9).sum() > 1024  # the flat rows' nucleus exceeds the candidates
     out = run(sample, logits, params, positions=list(range(300, 312)))
     expected = [reference_seeded_token(logits[r], params[r], r, 300 + r) for r in range(12)]
     assert out.token_ids.tolist() == expected
