@@ -34,6 +34,7 @@ MIXES = {
     "temperature": lambda i: SamplingParams(temperature=0.8),
     "top_p": lambda i: SamplingParams(temperature=0.8, top_p=0.9),
     "top_k50": lambda i: SamplingParams(temperature=0.8, top_k=50),
+    "min_p": lambda i: SamplingParams(temperature=0.8, min_p=0.05),
     "seeded": lambda i: SamplingParams(temperature=0.8, seed=1000 + i),
     "seeded_top_k50": lambda i: SamplingParams(temperature=0.8, top_k=50, seed=1000 + i),
     "logprobs": lambda i: SamplingParams(temperature=0.8, top_k=50, logprobs=True, top_logprobs=5),
