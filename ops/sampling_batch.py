@@ -111,13 +111,9 @@ class SamplingBatch:
         greedy, plain, filtering, seeds = [], [], [], []
         for i, p in enumerate(params):
             (greedy if p.is_greedy else filtering if p.is_filtering else plain).append(i)
-            seed = (
-                p.seed
-                if p.seed is not None
-                else DEFAULT_DETERMINISTIC_SEED
-                if deterministic
-                else None
-            )
+            seed = p.seed
+            if seed is None and deterministic:
+                seed = DEFAULT_DETERMINISTIC_SEED
             seeds.append(seed)
         is_all_greedy = len(greedy) == num_rows
         temperatures = None
