@@ -13,6 +13,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serve_fixtures import (
     API_KEY,
     MAX_POSITIONS,
@@ -286,6 +287,29 @@ def test_full_waiting_queue_is_503_with_retry_after(server):
         server.base_url, lambda v: _idle(v) and v["torch_runner_kv_cache_used_tokens"] == 0
     )
     assert _idle(values) and values["torch_runner_kv_cache_used_tokens"] == 0
+    statuses = _statuses(server)
+    assert (
+        statuses.get("499", 0) >= 1
+    )  # the queued request whose client left before its first token
+    assert "500" not in statuses
+
+
+def _statuses(server) -> dict[str, float]:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "torch_runner_requests_total":
+                status = sample.labels["status"]
+                totals[status] = totals.get(status, 0.0) + sample.value
+    return totals
+
+
+def test_no_request_in_this_module_ended_in_a_500(server):
+    # Runs last here: every bad input above got a 4xx, every disconnect a 499, never a 500.
+    statuses = _statuses(server)
+    assert "500" not in statuses
+    assert statuses["400"] >= len(INVALID)
 
 
 def test_health_is_503_once_the_engine_stops(tmp_path):

@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from torch_runner.serve.errors import APIError, InternalError
 from torch_runner.serve.generation import (
     Choice,
+    ClientDisconnected,
     Increment,
     merge_choices,
     until_disconnect,
@@ -42,13 +43,17 @@ async def stream_choices(
     render: Callable[[Increment], Iterable[Any]],
     usage_chunk: Callable[[Any], Any] | None,
     on_close: Callable[[], None],
-) -> StreamingResponse:
+) -> Response:
     """Start the choices, wait for the first increment, then stream the rest as SSE."""
     increments = merge_choices(engine, choices)
     try:
         first = await until_disconnect(http, increments.__anext__())
     except StopAsyncIteration:
         first = None
+    except ClientDisconnected:  # gone while its request waited for a first token: nobody to answer
+        await increments.aclose()
+        on_close()
+        return Response(status_code=499)
     except BaseException:
         await increments.aclose()
         on_close()
