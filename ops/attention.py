@@ -16,7 +16,10 @@ Fast paths (measured in tools/bench_ops.py, see docs/perf_sections/ops.md):
   itself dispatches to) returns the log-sum-exp too, so sinks cost one elementwise rescale,
   out * sigmoid(lse - sink), and keep the fused causal path (2.5-3.5x faster than an extra
   key column with a per-head additive mask on gpt-oss shapes);
-- elsewhere, sinks are one extra key column (key 0, value 0) whose additive logit is the sink.
+- elsewhere, sinks are one extra key column (key 0, value 0) whose additive logit is the sink;
+- a sliding window over a long causal tail (N >= 2W, S >= 4W): blocks of W queries against
+  their 2W keys in one batched kernel call, N x 2W scores instead of N x S (5x faster for a
+  2048-token gpt-oss prefill, W = 128).
 """
 
 from __future__ import annotations
@@ -195,6 +198,13 @@ def attention(
         mask, is_causal = None, True
     else:
         mask = layout.mask(q_positions, num_keys, window, mask_dtype)
+    is_tail = layout is None or layout.is_causal_tail
+    if is_tail and window is not None and n >= 2 * window and num_keys >= 4 * window:
+        return _banded(q, k, v, window, sm_scale, sinks, is_cpu_flash)
+    return _sdpa(q, k, v, mask, is_causal, sm_scale, sinks, is_cpu_flash)
+
+
+def _sdpa(q, k, v, mask, is_causal, sm_scale, sinks, is_cpu_flash):
     if is_cpu_flash:
         out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=sm_scale)[:2]
         if sinks is None:
@@ -208,6 +218,46 @@ def attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=sm_scale, enable_gqa=is_gqa
         )
     return _attention_with_sinks(q, k, v, mask, is_causal, sm_scale, sinks, is_gqa)
+
+
+def _banded(q, k, v, window, sm_scale, sinks, is_cpu_flash):
+    """Sliding window over a long causal tail: blocks of W queries against their 2W keys.
+
+    A full mask makes the kernel score all N x S pairs; blocking scores N x 2W (gpt-oss: W=128,
+    so a 2048-token prefill does 1/8 of the work). Queries are the last N of S keys.
+    """
+    b, hq, n, d = q.shape
+    s = k.shape[2]
+    nb = -(-n // window)
+    pad = nb * window - n
+    past = s - n
+
+    def blocks(t, left):  # [B, H, L, D] -> [B * nb, H, 2W, D]: block j starts at key past + jW - W
+        t = F.pad(t, (0, 0, left, pad))[:, :, past:]  # [B, H, W + nb*W, D]
+        t = t.unfold(2, 2 * window, window)  # [B, H, nb, D, 2W]
+        return t.permute(0, 2, 1, 4, 3).reshape(b * nb, t.shape[1], 2 * window, d)
+
+    qb = F.pad(q, (0, 0, 0, pad)).reshape(b, hq, nb, window, d)
+    qb = qb.permute(0, 2, 1, 3, 4).reshape(b * nb, hq, window, d)  # [B * nb, Hq, W, D]
+    mask = _band_mask(nb, window, min(past, window), q.device, q.dtype if is_cpu_flash else None)
+    mask = mask.repeat(b, 1, 1, 1)  # [B * nb, 1, W, 2W]
+    out = _sdpa(
+        qb, blocks(k, window), blocks(v, window), mask, False, sm_scale, sinks, is_cpu_flash
+    )
+    out = out.reshape(b, nb, hq, window, d).permute(0, 2, 1, 3, 4)  # [B, Hq, nb, W, D]
+    return out.reshape(b, hq, nb * window, d)[:, :, :n]
+
+
+@lru_cache(maxsize=16)
+def _band_mask(nb: int, window: int, past: int, device, dtype) -> torch.Tensor:
+    """[nb, 1, W, 2W]: query r of block j sees local key c iff r < c <= r + W and the key exists
+    (block j's key c is real key past + jW + c - W; `past` only matters below W)."""
+    r = torch.arange(window, device=device)[:, None]
+    c = torch.arange(2 * window, device=device)[None, :]
+    j = torch.arange(nb, device=device)[:, None, None]
+    allowed = (c > r) & (c <= r + window) & (past + j * window + c - window >= 0)  # [nb, W, 2W]
+    allowed = allowed[:, None]
+    return allowed if dtype is None else additive(allowed, dtype)
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

@@ -209,3 +209,22 @@ def test_causal_tail_layout_with_fewer_keys_than_queries_is_rejected():
     layout = KeyLayout.contiguous(torch.tensor([3]), is_causal_tail=True)
     with pytest.raises(ValueError, match="is_causal_tail needs the N=5 queries among the S=3"):
         attention(q, k, k, torch.arange(5)[None], layout, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("is_cpu_flash", [True, False])
+@pytest.mark.parametrize("prefix", [0, 3, 29])
+def test_long_windowed_chunk_blocked_by_window_matches_brute_force(
+    monkeypatch, is_cpu_flash, prefix
+):
+    # N >= 2W and S >= 4W: the op scores blocks of W queries against 2W keys instead of N x S
+    if not is_cpu_flash:
+        monkeypatch.setattr(attention_module, "_CPU_FLASH", None)
+    n, window = 45, 6
+    q, k, v, sinks = _qkv(2, 8, 2, n, prefix + n, seed=prefix)
+    q_positions = torch.arange(prefix, prefix + n).expand(2, n)
+    k_positions = torch.arange(prefix + n).expand(2, prefix + n)
+    want = brute_force(q, k, v, q_positions, k_positions, k_positions >= 0, 0.3, sinks, window)
+    layout = KeyLayout.contiguous(torch.tensor([prefix + n] * 2), is_causal_tail=True)
+    for lay in [layout] if prefix else [layout, None]:
+        got = attention(q, k, v, q_positions, lay, sm_scale=0.3, sinks=sinks, window=window)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

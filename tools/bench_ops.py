@@ -131,10 +131,22 @@ def attention_path_cases(g, dtype):
             q, k, v, None, True, scale, sinks, True
         ),
     }
-    return [
+    cases = [
         ("attention_paths", f"prefill N={n} causal", no_sinks),
         ("attention_paths", f"prefill N={n} causal + sinks", with_sinks),
     ]
+    w = g["window"]
+    for nw in (512, 2048) if w else ():
+        qw, kw, vw = (_rand(1, hh, nw, d, dtype=dtype) for hh in (h, hkv, hkv))
+        band = ATT._additive_cached(ATT.tail_mask(nw, nw, w, qw.device), dtype)
+        posw = torch.arange(nw)[None]
+        cases.append(("attention_paths", f"prefill N={nw} window {w} + sinks", {
+            "torch": lambda q=qw, k=kw, v=vw, p=posw: ATT.attention(
+                q, k, v, p, None, sm_scale=scale, sinks=sinks, window=w),
+            "one kernel call, [N, N] band mask": lambda q=qw, k=kw, v=vw, m=band: ATT._sdpa(
+                q, k, v, m, False, scale, sinks, True),
+        }))  # fmt: skip
+    return cases
 
 
 def run(args) -> list[tuple]:
