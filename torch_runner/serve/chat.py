@@ -43,6 +43,7 @@ def _param_names(body: ChatCompletionRequest) -> dict[str, str]:
 async def create_chat_completion(
     state: ServingState, body: ChatCompletionRequest, http: Request
 ) -> Response:
+    """Render messages with the chat template, fan out n choices; answer as JSON or SSE."""
     arrived_at = time.perf_counter()
     state.check_model(body.model)
     fields = chat_fields(body, state.vocab_size)

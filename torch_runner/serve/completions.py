@@ -31,6 +31,7 @@ PARAM_NAMES = {"top_logprobs": "logprobs", "structured": "response_format"}
 async def create_completion(
     state: ServingState, body: CompletionRequest, http: Request
 ) -> Response:
+    """Validate, tokenize, fan out prompts x n to the engine; answer as JSON or SSE."""
     arrived_at = time.perf_counter()
     state.check_model(body.model)
     fields = completion_fields(body, state.vocab_size)

@@ -47,6 +47,7 @@ class Choice:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     is_finished: bool = False
+    has_output: bool = False
 
 
 @dataclass
@@ -86,6 +87,7 @@ def apply_output(choice: Choice, output: Any, now: float) -> Increment:
     delta_text = text[len(choice.text) :]
     num_done = len(choice.logprobs)
     delta_entries = normalize_logprobs((output.logprobs or [])[num_done:], token_ids[num_done:])
+    choice.has_output = True
     choice.tracker.on_tokens(now, len(delta_ids))
     choice.text, choice.token_ids = text, token_ids
     choice.logprobs.extend(delta_entries)

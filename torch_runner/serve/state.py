@@ -94,7 +94,13 @@ class ServingState:
         return choices
 
     def record(self, choices: list[Choice]) -> None:
-        """Feed finished (or aborted) choices into the metrics, once per HTTP request."""
+        """Feed finished (or aborted) choices into the metrics, once per HTTP request.
+
+        A request the engine never produced anything for (refused, or gone while queued) adds
+        no tokens; its HTTP status is still counted by the request middleware.
+        """
+        if not any(choice.has_output for choice in choices):
+            return
         seen_prompts: set[int] = set()
         for choice in choices:
             if choice.prompt_index not in seen_prompts:
