@@ -277,6 +277,20 @@ def test_max_tokens_bounds_length_and_finish_reason(client):
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_logit_bias_reaches_the_sampler(client):
+    # +100 on byte "A" (id 65 in the byte tokenizer) dominates a random model's logits.
+    reply = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=1.0,
+        seed=3,
+        logit_bias={"65": 100},
+        **NO_EOS,
+    )
+    assert reply.choices[0].text == "AAAAA"
+
+
 def test_echo_prepends_the_prompt(client):
     plain = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=6, **GREEDY, **NO_EOS
