@@ -60,3 +60,31 @@ def make_caches(args) -> list:
         WindowedCache(args.sliding_window) if kind == "sliding_attention" else ContiguousCache()
         for kind in args.layer_types
     ]
+
+
+class RaggedCache:
+    """Rows of different lengths in one padded buffer (full attention, key 0 = position 0).
+
+    Built from per-row caches; each call appends row b's new keys at index kv_lens[b], so the
+    batch's rows sit at different positions, as they do in a continuous-batching decode step.
+    """
+
+    def __init__(self, rows: list[ContiguousCache], capacity: int):
+        first = rows[0].keys
+        b, h, d = len(rows), first.shape[1], first.shape[3]
+        self.keys = first.new_zeros(b, h, capacity, d)  # [B, Hkv, capacity, D]
+        self.values = first.new_zeros(b, h, capacity, d)
+        self.kv_lens = torch.tensor([row.keys.shape[2] for row in rows], dtype=torch.int64)
+        for i, row in enumerate(rows):
+            self.keys[i, :, : row.keys.shape[2]] = row.keys[0]
+            self.values[i, :, : row.values.shape[2]] = row.values[0]
+
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
+        n = k.shape[2]
+        for i, start in enumerate(self.kv_lens.tolist()):
+            self.keys[i, :, start : start + n] = k[i]
+            self.values[i, :, start : start + n] = v[i]
+        self.kv_lens = self.kv_lens + n
+        width = int(self.kv_lens.max())
+        layout = KeyLayout.contiguous(self.kv_lens.clone())
+        return self.keys[:, :, :width], self.values[:, :, :width], layout
