@@ -136,6 +136,12 @@ def test_mlx_moe_qwen3_equals_torch(dtype, norm_topk_prob):
     kwargs = {"top_k": 2, "norm_topk_prob": norm_topk_prob}
     want = ref["moe"].moe_qwen3(x, gate, gate_up, down, **kwargs)
     _close(mlx["moe"].moe_qwen3(x, gate, gate_up, down, **kwargs), want)
+    # same values through non-contiguous views: tokens strided, experts stored transposed
+    x_s = torch.zeros(6, 2 * h, dtype=dtype)
+    x_s[:, ::2] = x
+    up_s = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not x_s[:, ::2].is_contiguous() and not up_s.is_contiguous()
+    _close(mlx["moe"].moe_qwen3(x_s[:, ::2], gate, up_s, down, **kwargs), want)
 
 
 def test_each_mlx_op_is_one_crossing():
