@@ -58,10 +58,11 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def group_chunks(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
-    """Split chunks into forward groups whose padding wastes at most PAD_WASTE."""
+    """Forward groups: all decodes in one, prefill chunks grouped while padding <= PAD_WASTE."""
     groups: list[list[ScheduledChunk]] = []
     real = 0
-    for chunk in sorted(chunks, key=lambda c: -c.num_tokens):
+    prefills = sorted((c for c in chunks if c.num_tokens > 1), key=lambda c: -c.num_tokens)
+    for chunk in prefills:
         if groups:
             width = groups[-1][0].num_tokens
             if (len(groups[-1]) + 1) * width <= PAD_WASTE * (real + chunk.num_tokens):
@@ -70,6 +71,9 @@ def group_chunks(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
                 continue
         groups.append([chunk])
         real = chunk.num_tokens
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    if decodes:
+        groups.append(decodes)
     return groups
 
 
