@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -18,18 +16,6 @@ ISSUE_FLAGS = (
     "--max-waiting", "--load-format", "--max-body-bytes",
 )  # fmt: skip
 MISSING_MODEL = "/nonexistent/model-folder-for-serve-tests"
-
-
-def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_RUNNER_")}
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "torch_runner.serve", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=120,
-    )
 
 
 def test_help_lists_every_flag_and_documents_mlx_toggles(capsys):
