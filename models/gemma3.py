@@ -80,9 +80,9 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
-    def forward(self, x, positions, rotary, cache):
+    def forward(self, x, positions, rope, cache):
         h = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), positions, rotary, cache)
+            self.self_attn(self.input_layernorm(x), positions, rope, cache)
         )
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
@@ -107,10 +107,10 @@ class TextModel(nn.Module):
         h = self.embed_tokens(input_ids) * torch.tensor(
             self.embed_scale, dtype=weight.dtype
         )  # [B, N, H]
+        # cos/sin once per rope kind per forward, not once per layer
+        ropes = {kind: rotary.at(positions, h.dtype) for kind, rotary in self.rotary.items()}
         for i, layer in enumerate(self.layers):
-            h = layer(
-                h, positions, self.rotary[layer.layer_type], None if caches is None else caches[i]
-            )
+            h = layer(h, positions, ropes[layer.layer_type], None if caches is None else caches[i])
         return self.norm(h)
 
 

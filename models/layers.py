@@ -20,6 +20,7 @@ from torch import nn
 
 import ops
 from models.args import ModelArgs
+from ops.rope import rope_tables, rotate
 
 
 class RMSNorm(nn.Module):
@@ -43,8 +44,47 @@ class Rotary(nn.Module):
             inv_freq, self.attention_scaling = ops.rope_init(args, layer_type)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D_rot / 2] fp32
 
-    def forward(self, q, k, positions):
-        return ops.apply_rope(q, k, positions, self.inv_freq, self.attention_scaling)
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
+        """The rotation at this forward's positions [B, N], built once for every layer."""
+        if ops.backends()["apply_rope"] != "torch":  # a routed op keeps its per-layer call
+            return RopeAt(self, positions, None, None)
+        cos, sin = rope_tables(positions, self.inv_freq, self.attention_scaling, dtype)
+        return RopeAt(self, positions, cos, sin)
+
+
+class RopeAt:
+    """cos/sin tables of one forward (torch backend), or the routed `ops.apply_rope` per layer."""
+
+    __slots__ = ("rotary", "positions", "cos", "sin")
+
+    def __init__(self, rotary: Rotary, positions, cos, sin):
+        self.rotary, self.positions, self.cos, self.sin = rotary, positions, cos, sin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N, H, D] -> rotated x [B, N, H, D]."""
+        if self.cos is not None:
+            return rotate(x, self.cos, self.sin)
+        xt = x.transpose(1, 2)  # [B, H, N, D]: the registered op's layout
+        r = self.rotary
+        out, _ = ops.apply_rope(xt, xt[:, :1], self.positions, r.inv_freq, r.attention_scaling)
+        return out.transpose(1, 2)
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate linears' weights (and biases) along the output dim, and re-point each
+    linear's parameters at its slice, so the HF-named state dict and the fused matmul share one
+    storage (in-place updates such as load_state_dict reach both; no memory is duplicated)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    start = 0
+    for lin in linears:
+        size = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start : start + size], requires_grad=False)
+        if has_bias:
+            lin.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
+        start += size
+    return weight, bias
 
 
 class Attention(nn.Module):
@@ -81,17 +121,36 @@ class Attention(nn.Module):
         self.k_norm = norm_cls(self.head_dim, args.rms_norm_eps) if qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
 
+        # set by fuse() (non-persistent: the state dict keeps HF names): [Hq*D + 2*Hkv*D, hidden]
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        """One q/k/v matmul per layer instead of three (called by the loader after loading)."""
+        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RopeAt, cache
     ) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)  # [B, N, Hq, D]
-        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)  # [B, N, Hkv, D]
-        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is None:
+            q = self.q_proj(x).view(b, n, hq, d)  # [B, N, Hq, D]
+            k = self.k_proj(x).view(b, n, hkv, d)  # [B, N, Hkv, D]
+            v = self.v_proj(x).view(b, n, hkv, d)
+        else:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(b, n, hq + 2 * hkv, d)
+            if self.q_norm is None:  # q and k rotate together: one rope for both
+                qk = rope(qkv[:, :, : hq + hkv])  # [B, N, Hq + Hkv, D]
+                q, k = qk[:, :, :hq], qk[:, :, hq:]
+            else:
+                q, k = qkv[:, :, :hq], qkv[:, :, hq : hq + hkv]
+            v = qkv[:, :, hq + hkv :]  # [B, N, Hkv, D]
+        if self.qkv_weight is None or self.q_norm is not None:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rope(q), rope(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, N, D]
-        q, k = rotary(q, k, positions)
         layout = None
         if cache is not None:
             k, v, layout = cache.update_and_fetch(k, v)  # [B, Hkv, S, D]
@@ -118,8 +177,26 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
+        # set by fuse() (non-persistent: the state dict keeps HF names): [2I, hidden]
+        self.register_buffer("gate_up_weight", None, persistent=False)
+        self.register_buffer("gate_up_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        """One gate/up matmul instead of two (called by the loader after loading)."""
+        self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)  # [B, N, H]
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Build every fused q/k/v and gate/up matmul of a loaded model (see `fuse_linears`)."""
+    for module in model.modules():
+        if isinstance(module, (Attention, GatedMLP)):
+            module.fuse()
 
 
 class DecoderLayer(nn.Module):
@@ -130,8 +207,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, cache):
-        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache)
+    def forward(self, x, positions, rope, cache):
+        h = x + self.self_attn(self.input_layernorm(x), positions, rope, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -147,8 +224,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, caches):
         h = self.embed_tokens(input_ids)  # [B, N, H]
+        rope = self.rotary.at(positions, h.dtype)  # cos/sin once, not once per layer
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rotary, None if caches is None else caches[i])
+            h = layer(h, positions, rope, None if caches is None else caches[i])
         return self.norm(h)
 
 

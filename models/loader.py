@@ -22,6 +22,7 @@ from tqdm import tqdm
 from bridge import resolve_device
 from models import safetensors_io
 from models.errors import ModelLoadError
+from models.layers import fuse_projections
 from models.registry import get_family
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model.to(torch_device)  # the non-persistent rope tables were built on CPU
     model.eval().requires_grad_(False)
+    fuse_projections(model)  # q/k/v and gate/up as one matmul each; the state dict is unchanged
     generation_config = read_generation_config(path)
     logger.info(
         "loaded %s (%s) from %s on %s as %s",

@@ -118,6 +118,35 @@ def rope_cos_sin(
     return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
 
 
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, signed sin [B, N, 1, D_rot] for q/k laid out [B, N, H, D]; see `rotate`.
+
+    Built once per forward and shared by every layer of one rope kind (computing cos/sin in
+    each layer was 2 x num_layers extra trig kernels per step). Same values as `rope_cos_sin`;
+    the first half of `sin` is negated so the rotation needs no `neg` + `cat` per tensor.
+    """
+    cos, sin = rope_cos_sin(positions, inv_freq, attention_scaling, dtype)  # [B, 1, N, D_rot]
+    half = sin.shape[-1] // 2
+    sign = torch.ones(sin.shape[-1], dtype=dtype, device=sin.device)
+    sign[:half] = -1
+    return cos.transpose(1, 2), (sin * sign).transpose(1, 2)  # [B, N, 1, D_rot]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, N, H, D] by `rope_tables` output; bit-identical to `apply_rope`.
+
+    rotate_half(x) * sin = [-x2, x1] * [s, s] = [x2, x1] * [-s, s], and [x2, x1] is one flip
+    of the two halves; -x2 * s == x2 * -s exactly, so no value changes.
+    """
+    rot = cos.shape[-1]
+    x_rot, x_pass = (x, None) if rot == x.shape[-1] else (x[..., :rot], x[..., rot:])
+    swapped = x_rot.unflatten(-1, (2, rot // 2)).flip(-2).flatten(-2)  # [x2, x1]
+    out = x_rot * cos + swapped * signed_sin
+    return out if x_pass is None else torch.cat([out, x_pass], dim=-1)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = cos.shape[-1]
     x_rot, x_pass = (x, None) if rot == x.shape[-1] else (x[..., :rot], x[..., rot:])
