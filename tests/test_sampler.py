@@ -336,12 +336,18 @@ def test_top_p_rows_of_every_nucleus_size_match_reference(sample):
 
 
 def test_registry_routes_sampler_to_both_implementations():
+    import importlib
+
     from ops.mlx.sampling import sample as mlx_impl
-    from ops.registry import OPS, _load
+    from ops.registry import OPS
+
+    def resolve(path):
+        module, name = path.split(":")
+        return getattr(importlib.import_module(module), name)
 
     torch_path, mlx_path = OPS["sampler"]
-    assert _load(torch_path) is torch_sample
-    assert _load(mlx_path) is mlx_impl
+    assert resolve(torch_path) is torch_sample
+    assert resolve(mlx_path) is mlx_impl
 
 
 def test_logits_shape_must_match_the_batch(sample):
