@@ -7,7 +7,7 @@ it to the request's logit_bias (and min_tokens bans) to form the request's ONE a
 
 Why a lookup table: the bitmask is int32 words, bit j of word w = token 32*w + j (little-endian),
 so viewing it as bytes and gathering a [256, 8] table of {0, -inf} yields the row in one
-`index_select`. Measured on the 2-core CPU (tools/bench_grammar.py) this is 1.0-3.3x faster
+`index_select`. Measured on the 2-core CPU (tools/bench_grammar.py) this is 1.0-3.5x faster
 than xgrammar's `apply_token_bitmask_inplace` CPU kernel on a zero row, and needs no compile
 (its torch_compile backend pays ~30 s on first call and was not faster). On CUDA the bitmask lives in pinned host
 memory and is copied non-blocking; the table lives on the device.
