@@ -21,6 +21,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         raise ValueError(f"rms_norm: weight must be [{x.shape[-1]}]; got {tuple(weight.shape)}")
     # one fused aten op instead of six (square, mean, add, rsqrt, mul, mul): decode is
     # launch-bound, and this runs 2-4 times per layer; .float()/.to() are no-ops in fp32
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     w32 = None if weight is None else weight.float()
     return F.rms_norm(x.float(), x.shape[-1:], w32, eps).to(x.dtype)
 

@@ -9,7 +9,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
 
-from ops.rope import apply_rope, rope_init
+from ops.rope import apply_rope, rope_init, rope_tables, rotate
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -134,3 +134,19 @@ def test_apply_rope_rejects_positions_of_the_wrong_shape():
     q = torch.randn(2, 4, 5, 64)
     with pytest.raises(ValueError, match=r"positions must be \[B, N\]"):
         apply_rope(q, q, torch.zeros(2, 4, dtype=torch.long), inv_freq, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dims", [16, 8])  # full and partial rotary (head_dim 16)
+def test_rope_tables_rotate_is_bit_identical_to_apply_rope(dtype, rotary_dims):
+    """The once-per-forward tables + flip rotation change no value of the per-layer op."""
+    gen = torch.Generator().manual_seed(7)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dims, 2).float() / rotary_dims))
+    q = torch.randn(2, 4, 5, 16, generator=gen).to(dtype)  # [B, Hq, N, D]
+    k = torch.randn(2, 2, 5, 16, generator=gen).to(dtype)  # [B, Hkv, N, D]
+    positions = torch.randint(0, 4096, (2, 5), generator=gen)
+    want_q, want_k = apply_rope(q, k, positions, inv_freq, 1.25)
+    cos, sin = rope_tables(positions, inv_freq, 1.25, dtype)  # [B, N, 1, D_rot]
+    got_q = rotate(q.transpose(1, 2), cos, sin).transpose(1, 2)
+    got_k = rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
