@@ -99,3 +99,26 @@ def test_rope_cos_sin_once_per_rope_kind_per_forward(loaded):
     assert loaded.args.num_hidden_layers > rope_kinds
     assert counts["aten::cos"] == rope_kinds
     assert counts["aten::sin"] == rope_kinds
+
+
+@torch.no_grad()
+def test_routed_apply_rope_keeps_its_per_layer_call(loaded, monkeypatch):
+    """With apply_rope routed to MLX the tables are skipped and the routed op runs per layer."""
+    pytest.importorskip("mlx.core")
+    from bridge import runtime
+    from ops import registry
+
+    ids, positions = ids_and_positions()
+    want = loaded.model(ids, positions, None)
+    monkeypatch.setenv(runtime.ENV_USE_MLX, "1")
+    runtime.reset_cache()
+    try:
+        assert registry.configure("apply_rope")["apply_rope"] == "mlx"
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = loaded.model(ids, positions, None)
+    finally:
+        monkeypatch.delenv(runtime.ENV_USE_MLX)
+        runtime.reset_cache()
+        registry.configure()
+    assert not any(e.name == "aten::cos" for e in prof.events())  # no torch tables built
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
