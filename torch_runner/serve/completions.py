@@ -10,11 +10,8 @@ from fastapi.responses import JSONResponse, Response
 
 from torch_runner.serve.generation import (
     Choice,
-    ClientDisconnected,
     Increment,
-    collect,
-    merge_choices,
-    until_disconnect,
+    run_choices,
     usage_of,
 )
 from torch_runner.serve.logprobs import completion_logprobs
@@ -47,12 +44,8 @@ async def create_completion(
 
     if body.stream:
         return await _stream(state, body, http, choices, echo_texts, request_id, model)
-    try:
-        await until_disconnect(http, collect(merge_choices(state.engine, choices)))
-    except ClientDisconnected:
+    if not await run_choices(http, state.engine, choices, on_close=lambda: state.record(choices)):
         return Response(status_code=499)
-    finally:
-        state.record(choices)
     response = CompletionResponse(
         id=request_id,
         model=model,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -181,6 +181,22 @@ async def collect(increments: AsyncIterator[Increment]) -> None:
     async with contextlib.aclosing(increments) as stream:
         async for _ in stream:
             pass
+
+
+async def run_choices(
+    http: Request, engine: Any, choices: list[Choice], on_close: Callable[[], None]
+) -> bool:
+    """Run every choice to the end for a non-streaming answer; False if the client left first.
+
+    `on_close` runs whatever happens (finished, disconnect, error), like a streaming `on_close`.
+    """
+    try:
+        await until_disconnect(http, collect(merge_choices(engine, choices)))
+    except ClientDisconnected:
+        return False
+    finally:
+        on_close()
+    return True
 
 
 def usage_of(choices: list[Choice]) -> Usage:
