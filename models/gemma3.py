@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ops
 from models.args import FULL_ATTENTION, SLIDING_ATTENTION
 from models.args import ModelArgs as BaseArgs
-from models.layers import Attention, GatedMLP, Rotary
+from models.layers import Attention, GatedMLP, Rotary, make_lm_head, project_to_vocab
 
 DUMMY_NORM_WEIGHT = 0.0  # the loader's random weights: zero-centred norms scale by 1
 
@@ -119,11 +118,7 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.model = TextModel(args)
-        self.lm_head = (
-            None
-            if args.tie_word_embeddings
-            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        )
+        self.lm_head = make_lm_head(args)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list | None = None
@@ -133,8 +128,7 @@ class Model(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V], soft-capped when the config asks for it."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = project_to_vocab(hidden, self.model.embed_tokens, self.lm_head)
         cap = self.args.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

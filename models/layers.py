@@ -230,6 +230,21 @@ class DecoderModel(nn.Module):
         return self.norm(h)
 
 
+def make_lm_head(args: ModelArgs) -> nn.Linear | None:
+    """The output projection, or None for tied checkpoints (they have no lm_head tensor)."""
+    if args.tie_word_embeddings:
+        return None
+    return nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+
+def project_to_vocab(
+    hidden: torch.Tensor, embed_tokens: nn.Embedding, lm_head: nn.Linear | None
+) -> torch.Tensor:
+    """hidden [..., H] -> logits [..., V]; tied models (lm_head None) reuse the embedding matrix."""
+    weight = embed_tokens.weight if lm_head is None else lm_head.weight
+    return F.linear(hidden, weight)
+
+
 class CausalLM(nn.Module):
     """The model protocol the runner codes against: forward -> hidden, compute_logits -> logits."""
 
@@ -237,12 +252,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = DecoderModel(args, make_layer)
-        # tied checkpoints have no lm_head tensor: logits reuse the embedding matrix
-        self.lm_head = (
-            None
-            if args.tie_word_embeddings
-            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        )
+        self.lm_head = make_lm_head(args)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list | None = None
@@ -261,5 +271,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (only for the rows the runner samples)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return project_to_vocab(hidden, self.model.embed_tokens, self.lm_head)
