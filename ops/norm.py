@@ -12,13 +12,22 @@ import torch
 import torch.nn.functional as F
 
 
+def check_norm_shapes(
+    op: str, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> None:
+    """Reject a weight or bias that is not [H] for x [..., H] (shared with the MLX norms)."""
+    hidden = x.shape[-1:]
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None and param.shape != hidden:
+            raise ValueError(f"{op}: {name} must be [{hidden[0]}]; got {tuple(param.shape)}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim; fp32 math, returns x's dtype.
 
     x [..., H]; weight [H] or None (no scale).
     """
-    if weight is not None and weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm: weight must be [{x.shape[-1]}]; got {tuple(weight.shape)}")
+    check_norm_shapes("rms_norm", x, weight)
     # one fused aten op instead of six (square, mean, add, rsqrt, mul, mul): decode is
     # launch-bound, and this runs 2-4 times per layer; .float()/.to() are no-ops in fp32
     if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
@@ -31,10 +40,8 @@ def layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
     """LayerNorm over the last dim with optional weight/bias; fp32 math, returns x's dtype."""
+    check_norm_shapes("layer_norm", x, weight, bias)
     hidden = x.shape[-1]
-    for name, param in (("weight", weight), ("bias", bias)):
-        if param is not None and param.shape != (hidden,):
-            raise ValueError(f"layer_norm: {name} must be [{hidden}]; got {tuple(param.shape)}")
     w32 = None if weight is None else weight.float()
     b32 = None if bias is None else bias.float()
     return F.layer_norm(x.float(), (hidden,), w32, b32, eps).to(x.dtype)

@@ -6,6 +6,7 @@ import mlx.core as mx
 import torch
 
 from bridge import mlx_call
+from ops.norm import check_norm_shapes
 
 
 def rms_norm_mx(x, weight, eps: float):
@@ -19,8 +20,7 @@ def layer_norm_mx(x, weight, bias, eps: float):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Same contract as ops.norm.rms_norm; one MLX crossing."""
-    if weight is not None and weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm: weight must be [{x.shape[-1]}]; got {tuple(weight.shape)}")
+    check_norm_shapes("rms_norm", x, weight)
     return mlx_call(rms_norm_mx, x, weight, eps)
 
 
@@ -28,8 +28,5 @@ def layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
     """Same contract as ops.norm.layer_norm; one MLX crossing."""
-    hidden = x.shape[-1]
-    for name, param in (("weight", weight), ("bias", bias)):
-        if param is not None and param.shape != (hidden,):
-            raise ValueError(f"layer_norm: {name} must be [{hidden}]; got {tuple(param.shape)}")
+    check_norm_shapes("layer_norm", x, weight, bias)
     return mlx_call(layer_norm_mx, x, weight, bias, eps)
