@@ -156,6 +156,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out if x_pass is None else torch.cat([out, x_pass], dim=-1)
 
 
+def check_rope_positions(q: torch.Tensor, positions: torch.Tensor) -> None:
+    """Reject positions that are not [B, N] for q [B, H, N, D] (shared with the MLX rope)."""
+    if tuple(positions.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"apply_rope: positions must be [B, N] = {(q.shape[0], q.shape[2])}; "
+            f"got {tuple(positions.shape)}"
+        )
+
+
 def apply_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -167,11 +176,7 @@ def apply_rope(
 
     Only the first 2 * len(inv_freq) dims rotate (partial rotary); math in q's dtype, as HF does.
     """
-    if tuple(positions.shape) != (q.shape[0], q.shape[2]):
-        raise ValueError(
-            f"apply_rope: positions must be [B, N] = {(q.shape[0], q.shape[2])}; "
-            f"got {tuple(positions.shape)}"
-        )
+    check_rope_positions(q, positions)
     if 2 * inv_freq.shape[-1] > q.shape[-1]:
         raise ValueError(
             f"apply_rope: inv_freq has {inv_freq.shape[-1]} entries, more than head_dim/2 = "

@@ -11,6 +11,7 @@ import mlx.core as mx
 import torch
 
 from bridge import mlx_call_multi
+from ops.rope import check_rope_positions
 
 
 def rope_cos_sin_mx(positions, inv_freq, attention_scaling: float, dtype):
@@ -44,9 +45,5 @@ def apply_rope(
     attention_scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ops.rope.apply_rope; one MLX crossing for both outputs."""
-    if tuple(positions.shape) != (q.shape[0], q.shape[2]):
-        raise ValueError(
-            f"apply_rope: positions must be [B, N] = {(q.shape[0], q.shape[2])}; "
-            f"got {tuple(positions.shape)}"
-        )
+    check_rope_positions(q, positions)
     return mlx_call_multi(apply_rope_mx, q, k, positions, inv_freq, attention_scaling)
