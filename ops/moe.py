@@ -32,7 +32,8 @@ def _route_groups(top_idx: torch.Tensor, num_experts: int):
         yield expert, sel // k, sel % k
 
 
-def _check_tokens(name: str, x: torch.Tensor, top_k: int, num_experts: int) -> None:
+def check_tokens(name: str, x: torch.Tensor, top_k: int, num_experts: int) -> None:
+    """Reject x that is not [T, H] or top_k outside [1, num_experts] (shared with the MLX MoE)."""
     if x.dim() != 2:
         raise ValueError(f"{name}: x must be [T, H]; got {tuple(x.shape)}")
     if not 1 <= top_k <= num_experts:
@@ -57,7 +58,7 @@ def moe_gpt_oss(
     x [T, H] -> [T, H] in x's dtype. Expert output: (clamp(up, -limit, limit) + 1) *
     g * sigmoid(alpha * g) with g = clamp(gate, max=limit).
     """
-    _check_tokens("moe_gpt_oss", x, top_k, router_weight.shape[0])
+    check_tokens("moe_gpt_oss", x, top_k, router_weight.shape[0])
     logits = F.linear(x, router_weight, router_bias)  # [T, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
     scores = torch.softmax(top_val, dim=-1)
@@ -83,7 +84,7 @@ def moe_qwen3(
 ) -> torch.Tensor:
     """Qwen3-MoE: softmax over all router logits (fp32), top-k, optional renormalisation, SiLU
     experts. x [T, H] -> [T, H] in x's dtype."""
-    _check_tokens("moe_qwen3", x, top_k, gate_weight.shape[0])
+    check_tokens("moe_qwen3", x, top_k, gate_weight.shape[0])
     logits = F.linear(x, gate_weight)  # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_val, top_idx = torch.topk(probs, top_k, dim=-1)  # [T, k]

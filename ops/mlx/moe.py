@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from bridge import MlxTensorView, mlx_call
+from ops.moe import check_tokens
 
 
 def _top_k(scores, k: int):
@@ -78,11 +79,7 @@ def moe_qwen3_mx(x, gate_weight, gate_up, down, *, top_k: int, norm_topk_prob: b
 def _check(name, x, top_k, router):
     if isinstance(router, MlxTensorView):
         router = router.tensor
-    num_experts = router.shape[0]
-    if x.dim() != 2:
-        raise ValueError(f"{name}: x must be [T, H]; got {tuple(x.shape)}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"{name}: top_k must be in [1, {num_experts}]; got {top_k}")
+    check_tokens(name, x, top_k, router.shape[0])
 
 
 def moe_gpt_oss(
