@@ -104,15 +104,17 @@ async def _stream(
 
     def render(increment: Increment):
         choice = increment.choice
-        if not (increment.delta_text or increment.delta_token_ids or choice.is_finished):
+        if increment.is_empty:
             return
         delta = ChatDelta(content=increment.delta_text)
         logprobs = _logprobs(state, body, increment.delta_token_ids, increment.delta_logprobs)
-        finish = choice.finish_reason if choice.is_finished else None
         yield chunk(
             [
                 ChatChunkChoice(
-                    index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish
+                    index=choice.index,
+                    delta=delta,
+                    logprobs=logprobs,
+                    finish_reason=increment.finish_reason,
                 )
             ]
         )

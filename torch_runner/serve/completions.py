@@ -98,7 +98,7 @@ async def _stream(
 
     def render(increment: Increment):
         choice = increment.choice
-        if not (increment.delta_text or increment.delta_token_ids or choice.is_finished):
+        if increment.is_empty:
             return
         logprobs = None
         if body.logprobs is not None:
@@ -109,14 +109,13 @@ async def _stream(
                 offsets[choice.index],
             )
             offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
-        finish = choice.finish_reason if choice.is_finished else None
         yield chunk(
             [
                 CompletionChoice(
                     index=choice.index,
                     text=increment.delta_text,
                     logprobs=logprobs,
-                    finish_reason=finish,
+                    finish_reason=increment.finish_reason,
                 )
             ]
         )

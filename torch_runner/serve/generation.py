@@ -57,6 +57,16 @@ class Increment:
     delta_token_ids: list[int]
     delta_logprobs: list[LogprobEntry]
 
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to stream: no new text or tokens, and the choice is still running."""
+        return not (self.delta_text or self.delta_token_ids or self.choice.is_finished)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The choice's finish reason on its final increment; None before that."""
+        return self.choice.finish_reason if self.choice.is_finished else None
+
 
 def normalize_logprobs(raw: Any, token_ids: list[int]) -> list[LogprobEntry]:
     """Engine logprobs -> [(chosen logprob, [(token id, logprob), ...]), ...] aligned with token_ids."""
