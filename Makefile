@@ -21,6 +21,7 @@ test: $(TEST_STAMP) lint pytest
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
 pytest: $(TEST_STAMP)
