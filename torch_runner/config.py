@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ALLOWED_WEIGHT_PACKING = ("auto", "off")
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
@@ -46,6 +47,9 @@ class EngineConfig:
     load_format: str = "safetensors"
     max_waiting: int = 1024
     max_cached_windows: int = 64  # SWA prefix-cache window snapshots kept (LRU)
+    weight_packing: str = "auto"  # auto: oneDNN-packed linear weights on CPU; off: plain F.linear
+    enforce_eager: bool = False  # True: never capture CUDA graphs for decode
+    cuda_graph_max_bs: int = 64  # decode batches above this size run eagerly
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -68,6 +72,12 @@ class EngineConfig:
         _require_int("random_seed", self.random_seed, 0)
         _require_int("max_waiting", self.max_waiting, 1)
         _require_int("max_cached_windows", self.max_cached_windows, 0)
+        _require_int("cuda_graph_max_bs", self.cuda_graph_max_bs, 1)
+        if self.weight_packing not in ALLOWED_WEIGHT_PACKING:
+            raise ValueError(
+                f"weight_packing={self.weight_packing!r} is invalid; allowed values: "
+                f"{', '.join(ALLOWED_WEIGHT_PACKING)}"
+            )
         if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, int | float):
             raise ValueError(
                 f"mem_fraction={self.mem_fraction!r} is invalid; expected a number in (0, 1]"
@@ -76,7 +86,7 @@ class EngineConfig:
             raise ValueError(
                 f"mem_fraction={self.mem_fraction!r} is invalid; expected a number in (0, 1]"
             )
-        for name in ("enable_prefix_caching", "enable_deterministic_inference"):
+        for name in ("enable_prefix_caching", "enable_deterministic_inference", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is invalid; expected true or false"

@@ -130,6 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Seed every row (the request's seed, or 42) so outputs never depend on batchmates.",
     )
+    engine.add_argument(
+        "--weight-packing",
+        choices=("auto", "off"),
+        default=d["weight_packing"],
+        help="auto: on CPU, linear weights are prepacked for oneDNN (faster decode, one packed "
+        "copy of each matrix); off: plain torch linear. Default: %(default)s.",
+    )
+    engine.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="Never capture CUDA graphs for decode (CUDA only; other devices always run eagerly).",
+    )
+    engine.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=d["cuda_graph_max_bs"],
+        help="Largest decode batch replayed from a CUDA graph; larger ones run eagerly. "
+        "Default: %(default)s.",
+    )
     server = parser.add_argument_group("server")
     server.add_argument(
         "--host",
@@ -173,6 +192,9 @@ def engine_config(args: argparse.Namespace):
         enable_deterministic_inference=args.enable_deterministic_inference,
         load_format=args.load_format,
         max_waiting=args.max_waiting,
+        weight_packing=args.weight_packing,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
 
 
