@@ -131,13 +131,16 @@ class PagedKVPool:
     storage is left uninitialised (a large CPU pool is then only paged in as it fills): every
     slot a row reads below its kv_len was written first, and padding reads `pad_slot`, one
     extra slot kept at zero (garbage there could be NaN, and 0 * NaN poisons attention).
+    `scratch_slot`, one more, takes the writes of padded rows in a CUDA-graph batch bucket
+    and is never read (cuda_graphs.py).
     """
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pad_slot = num_blocks * block_size
-        shape = (num_layers, self.pad_slot + 1, num_kv_heads, head_dim)
+        self.scratch_slot = self.pad_slot + 1
+        shape = (num_layers, self.pad_slot + 2, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.k[:, self.pad_slot].zero_()

@@ -18,6 +18,7 @@ import torch
 
 import ops
 from ops.sampling_batch import SamplingBatch
+from torch_runner.cuda_graphs import DecodeGraphs
 from torch_runner.kv_cache import (
     CacheLayout,
     PagedKVPool,
@@ -111,6 +112,10 @@ class ModelRunner:
         )
         self._pool_index = {layer: i for i, layer in enumerate(self.full_layers)}
         self.swa_caches: dict[str, list[WindowedKVCache]] = {}
+        # pure-decode groups replay a CUDA graph (None: eager; see cuda_graphs.py)
+        self.decode_graphs = DecodeGraphs.for_runner(
+            self.model, self.args, self.pool, self.full_layers, config, device
+        )
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.random_seed)
 
@@ -154,6 +159,8 @@ class ModelRunner:
     # ---- the step ---------------------------------------------------------------------
     def _forward_group(self, group: list[ScheduledChunk]) -> torch.Tensor:
         """Run one forward over `group`; returns hidden [B, N, H]."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(group):
+            return self.decode_graphs.forward(group)
         b, n = len(group), group[0].num_tokens
         ids = [0] * (b * n)
         pos = [0] * (b * n)

@@ -1,0 +1,157 @@
+"""The static-shape decode behind CUDA graphs (torch_runner/cuda_graphs.py).
+
+On CPU the static forward runs eagerly: padded batch buckets, bucketed key widths and masks
+built from tensors must give the eager path's logits (fp32, tight tolerance) and transformers'
+greedy tokens. On CUDA, graph replay must equal the eager engine.
+"""
+
+import pytest
+import torch
+from engine_helpers import save_engine_checkpoint
+
+from torch_runner import Engine, SamplingParams
+from torch_runner.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+# contexts from 2 to ~60 tokens: with block size 4 and min_keys 8 the key width crosses the
+# 8 / 16 / 32 / 64 buckets, and 5 -> 1 live rows use batch buckets 8, 4, 2, 1 (padded rows)
+PROMPTS = [[5, 6, 7], [100] * 11, [42], list(range(200, 219)), list(range(20, 51))]
+MAX_TOKENS = [24, 16, 20, 18, 28]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path, hf = save_engine_checkpoint(
+        "llama", tmp_path_factory.mktemp("llama"), initializer_range=0.5
+    )
+    return str(path), hf
+
+
+def _engine(path, device="cpu", **kwargs):
+    defaults = dict(max_total_tokens=1024, block_size=4, chunked_prefill_size=16, max_num_seqs=8)
+    return Engine(path, device=device, dtype="float32", **{**defaults, **kwargs})
+
+
+def _static(engine, max_bs=8, capture=False):
+    r = engine.runner
+    graphs = DecodeGraphs(r.model, r.pool, r.full_layers, len(r.args.layer_types), r.device,
+                          max_bs, capture=capture, min_keys=8)  # fmt: skip
+    r.decode_graphs = graphs
+    return graphs
+
+
+def _run(engine, staggered=True):
+    """Greedy outputs of PROMPTS, two of them arriving while the others decode."""
+    rids, final, step = [], {}, 0
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in MAX_TOKENS]
+    while len(rids) < len(PROMPTS) or engine.has_unfinished():
+        if len(rids) < len(PROMPTS) and (not staggered or len(rids) < 3 or step in (4, 9)):
+            rids.append(engine.add_request(None, PROMPTS[len(rids)], params[len(rids)]))
+            continue
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+        step += 1
+    return [final[r] for r in rids]
+
+
+def _reference(hf, prompt, max_tokens):
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def test_buckets_cover_every_batch_and_context():
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert batch_buckets(5) == (1, 2, 4, 5)
+    assert batch_buckets(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100)
+    assert batch_buckets(1) == (1,)
+    for n in range(1, 300):
+        s = key_bucket(n, 16)
+        assert s >= max(n, 64) and s % 16 == 0 and (s == 64 or s < 2 * n + 16)
+    assert key_bucket(65, 24) == 144  # 128 rounded up to whole blocks
+
+
+def test_static_decode_logits_equal_the_eager_path(llama):
+    """Every decode group of a mixed, staggered run: static (padded, bucketed) logits equal the
+    eager path's on the same pool state."""
+    path, _ = llama
+    engine = _engine(path)
+    runner = engine.runner
+    graphs = _static(engine)
+    eager_forward = runner._forward_group
+    seen = set()
+
+    def both(group):
+        if not graphs.can_run(group):
+            return eager_forward(group)
+        runner.decode_graphs = None
+        eager = eager_forward(group)  # writes this step's K/V; the static pass rewrites them
+        runner.decode_graphs = graphs
+        static = graphs.forward(group)
+        assert static.shape == eager.shape
+        want = runner.model.compute_logits(eager)
+        got = runner.model.compute_logits(static)
+        # fp32 rounding only: the padded GEMMs and the wider masked softmax reorder sums
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        rows = next(b for b in graphs.buckets if b >= len(group))
+        width = max(c.start for c in group) + 1
+        seen.add((rows, len(group), key_bucket(width, 4, 8)))
+        return eager
+
+    runner._forward_group = both
+    outputs = _run(engine)
+    assert {s for _, _, s in seen} >= {8, 16, 32, 64}  # key buckets crossed
+    assert any(rows > b for rows, b, _ in seen)  # padded rows exercised
+    assert {rows for rows, _, _ in seen} >= {1, 2, 4, 8}
+    assert runner.pool.k[:, runner.pool.pad_slot].abs().max() == 0  # padding never wrote there
+    assert len(outputs) == len(PROMPTS)
+
+
+def test_static_decode_greedy_tokens_equal_transformers(llama):
+    path, hf = llama
+    engine = _engine(path)
+    _static(engine, max_bs=4)  # 5 live rows > 4: that group falls back to the eager path
+    outputs = _run(engine)
+    for prompt, tokens, m in zip(PROMPTS, outputs, MAX_TOKENS):
+        assert tokens == _reference(hf, prompt, m), prompt
+
+
+def test_graphs_stay_off_on_cpu_and_with_enforce_eager(llama):
+    path, _ = llama
+    assert _engine(path).runner.decode_graphs is None  # CPU: eager
+    if torch.cuda.is_available():
+        assert _engine(path, device="cuda", enforce_eager=True).runner.decode_graphs is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_equals_eager(llama):
+    path, hf = llama
+    eager = _run(_engine(path, device="cuda", enforce_eager=True))
+    engine = _engine(path, device="cuda", cuda_graph_max_bs=8)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.capture
+    graphs.min_keys = 8  # small buckets, so this short run crosses several
+    replayed = _run(engine)
+    assert replayed == eager
+    assert len(graphs.graphs) >= 4  # several (batch, key) buckets were captured and replayed
+    for prompt, tokens, m in zip(PROMPTS, replayed, MAX_TOKENS):
+        assert tokens == _reference(hf, prompt, m), prompt
+    # replay and the same static forward run eagerly give the same hidden state
+    (rows, keys), (graph, inputs, hidden) = next(iter(engine.runner.decode_graphs.graphs.items()))
+    graph.replay()
+    from torch_runner.cuda_graphs import static_decode
+
+    r = engine.runner
+    again = static_decode(r.model, r.pool, r.full_layers, len(r.args.layer_types), inputs, keys)
+    torch.testing.assert_close(hidden, again, rtol=1e-5, atol=1e-5)
