@@ -14,6 +14,7 @@ timed; beside it the same geometry with every layer full attention. Reports KV b
 the SWA layers (constant in context), by the pool, and the decode step time.
 
     .venv/bin/python tools/bench_engine.py --batches 1,8,32,64 --swa-contexts 1024,4096,32768
+    python tools/bench_engine.py --device cuda --dtype bfloat16 --compare-eager --swa-contexts ''
 """
 
 from __future__ import annotations
@@ -57,15 +58,23 @@ def run_engine(engine: Engine, prompts, gen_len: int) -> tuple[float, float]:
     return n * gen_len / (t_end - t0), n * (gen_len - 1) / max(t_end - t_first, 1e-9)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def run_hf(model, prompts, gen_len: int) -> tuple[float, float]:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     mask = torch.ones_like(ids)
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=mask)
+    _sync(model.device)
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+    _sync(model.device)
     t1 = time.perf_counter()
     model.generate(ids, max_new_tokens=gen_len, min_new_tokens=gen_len, **kwargs)
+    _sync(model.device)
     t2 = time.perf_counter()
     n = len(prompts)
     return n * gen_len / (t2 - t1), n * (gen_len - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
@@ -74,28 +83,41 @@ def run_hf(model, prompts, gen_len: int) -> tuple[float, float]:
 def bench_throughput(args) -> None:
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(args.model, device="cpu", dtype=args.dtype, max_total_tokens=args.pool_tokens,
-                    max_num_seqs=max(args.batches), enable_prefix_caching=False)  # fmt: skip
+    def make_engine(enforce_eager: bool) -> Engine:
+        return Engine(args.model, device=args.device, dtype=args.dtype, max_total_tokens=args.pool_tokens,
+                      max_num_seqs=max(args.batches), enable_prefix_caching=False,
+                      enforce_eager=enforce_eager, cuda_graph_max_bs=max(args.batches))  # fmt: skip
+
+    engine = make_engine(False)
+    eager = make_engine(True) if args.compare_eager else None
     hf = AutoModelForCausalLM.from_pretrained(
         engine.model_path, dtype=engine.dtype, attn_implementation="sdpa"
-    )
+    ).to(engine.device)
     hf.eval()
     rows, hf_single = [], None
     for batch in args.batches:
         prompts = _prompts(batch, args.prompt_len, engine.vocab_size)
-        ours, theirs = [], []
+        ours, theirs, ours_eager = [], [], []
+        runs = [(run_engine, engine, ours), (run_hf, hf, theirs)]
+        if eager is not None:
+            runs.insert(1, (run_engine, eager, ours_eager))
+        for fn, target, _ in runs:  # warm-up: CUDA graph capture, allocator, kernel selection
+            for _ in range(args.warmup):
+                fn(target, prompts, args.gen_len)
         for r in range(args.repeats):
-            runs = [(run_engine, engine, ours), (run_hf, hf, theirs)]
             for fn, target, sink in runs if r % 2 == 0 else runs[::-1]:
                 sink.append(fn(target, prompts, args.gen_len))
         med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
         row = dict(batch=batch, ours_total=med(ours, 0), ours_decode=med(ours, 1),
                    hf_total=med(theirs, 0), hf_decode=med(theirs, 1))  # fmt: skip
+        if eager is not None:
+            row.update(eager_total=med(ours_eager, 0), eager_decode=med(ours_eager, 1))
         if batch == 1:
             hf_single = row["hf_total"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{args.model or 'default model'} {engine.dtype}, prompt {args.prompt_len}, gen {args.gen_len}, "
+    where = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
+    print(f"\n{args.model or 'default model'} {engine.dtype} on {where}, prompt {args.prompt_len}, gen {args.gen_len}, "
           f"{torch.get_num_threads()} threads, medians of {args.repeats} (orders alternate)\n")  # fmt: skip
     print("| batch | ours total tok/s | HF batched total | ratio | ours decode tok/s | HF decode | ratio "
           "| vs HF one-at-a-time |")  # fmt: skip
@@ -105,6 +127,14 @@ def bench_throughput(args) -> None:
         print(f"| {r['batch']} | {r['ours_total']:.1f} | {r['hf_total']:.1f} | {r['ours_total'] / r['hf_total']:.2f}x "
               f"| {r['ours_decode']:.1f} | {r['hf_decode']:.1f} | {r['ours_decode'] / r['hf_decode']:.2f}x "
               f"| {vs_single} |")  # fmt: skip
+    if eager is not None:
+        print("\n| batch | ours decode (graphs) | ours decode (--enforce-eager) | HF decode "
+              "| graphs / HF | eager / HF | graphs / eager |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            g, e, h = r["ours_decode"], r["eager_decode"], r["hf_decode"]
+            print(f"| {r['batch']} | {g:.1f} | {e:.1f} | {h:.1f} | {g / h:.2f}x | {e / h:.2f}x "
+                  f"| {g / e:.2f}x |")  # fmt: skip
 
 
 def _swa_checkpoint(directory: Path, num_layers: int, window: int, all_full: bool) -> str:
@@ -189,6 +219,10 @@ def main() -> None:
         "--model", default=None, help="HF folder (default: the embedded SmolLM2-135M)"
     )
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | mps (part 1)")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="part 1: also run our engine with enforce_eager (no CUDA graphs)")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per engine per batch")
     parser.add_argument(
         "--batches", default="1,8,32,64", help="comma-separated batch sizes ('' skips part 1)"
     )
