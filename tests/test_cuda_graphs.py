@@ -155,3 +155,31 @@ def test_cuda_graph_replay_equals_eager(llama):
     r = engine.runner
     again = static_decode(r.model, r.pool, r.full_layers, len(r.args.layer_types), inputs, keys)
     torch.testing.assert_close(hidden, again, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_captured_on_the_server_thread_equal_eager(llama):
+    """AsyncEngine steps (and so captures) on a background thread, as the server does."""
+    import asyncio
+
+    from torch_runner.async_engine import AsyncEngine
+
+    path, _ = llama
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in MAX_TOKENS]
+    eager = _engine(path, device="cuda", enforce_eager=True).generate(PROMPTS, params)
+    server = AsyncEngine(_engine(path, device="cuda"))
+    server.start()
+
+    async def one(i):
+        outs = [o async for o in server.generate(f"r{i}", PROMPTS[i], params[i])]
+        return outs[-1].token_ids
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+    try:
+        streamed = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert server.engine.runner.decode_graphs.graphs  # decode really replayed graphs
+    assert streamed == [o.token_ids for o in eager]

@@ -175,7 +175,9 @@ class DecodeGraphs:
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        # thread_local: the server steps on a background thread; other threads' CUDA calls
+        # during a capture must not invalidate it
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             hidden = static_decode(*args)
         torch.cuda.synchronize(self.device)
         self.graphs[(rows, num_keys)] = (graph, inputs, hidden)
