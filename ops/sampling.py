@@ -1,12 +1,13 @@
 """The torch sampler: logits [B, V] + SamplingBatch -> token ids, logprobs. The reference.
 
-Every random choice is Gumbel-max, argmax(log w + g), so nothing needs a multinomial or a host
-sync. Rows take one of three paths, chosen on the host when the batch was built:
+No random choice needs a multinomial or a host sync. Rows take one of three paths, chosen on the
+host when the batch was built:
   greedy     argmax of the edited logits; no randomness consumed.
-  plain      temperature only: argmax(scaled + g) over the whole vocabulary (the logsumexp of a
-             softmax is a per-row constant, so no softmax is needed).
-  filtering  top-k / top-p / min-p on sorted probabilities, then argmax(scaled + g) over the
-             survivors. When every filtering row has top_k <= 1024 only the [F, K] top
+  plain      temperature only, over the whole vocabulary (ops/sampling_plain.py): unseeded rows
+             by inverse CDF (softmax, cumsum, one uniform per row); seeded rows by Gumbel-max,
+             argmax(scaled + g), hashing on CPU only the tokens that can still win.
+  filtering  top-k / top-p / min-p on sorted probabilities, then Gumbel-max, argmax(scaled + g),
+             over the survivors. When every filtering row has top_k <= 1024 only the [F, K] top
              candidates are sorted and drawn (bounded top-K); otherwise the full vocabulary.
              On CPU, where reading a tensor is no device sync, full-vocabulary rows first try
              the 64, then the 1024 best candidates; only rows whose survivors might lie beyond
@@ -28,6 +29,7 @@ import torch
 
 from ops.sampling_batch import MAX_BOUNDED_TOP_K, RowGroup, SamplingBatch
 from ops.sampling_hash import murmur_hash32, neg_gumbel_, seeded_neg_gumbel
+from ops.sampling_plain import draw_plain
 
 __all__ = ["SampleOutput", "SamplingBatch", "murmur_hash32", "sample"]
 
@@ -105,7 +107,6 @@ def apply_penalties(x: torch.Tensor, penalties) -> torch.Tensor:
 
 def _sample_groups(scaled, batch: SamplingBatch, positions, generator) -> torch.Tensor:
     token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=scaled.device)
-    vocab_ids = None
     for group, pick in (
         (batch.greedy, None),
         (batch.plain, "plain"),
@@ -117,10 +118,7 @@ def _sample_groups(scaled, batch: SamplingBatch, positions, generator) -> torch.
         if pick is None:
             chosen = _argmax(rows)
         elif pick == "plain":
-            if vocab_ids is None:
-                vocab_ids = torch.arange(batch.vocab_size, device=scaled.device)
-            noise = _neg_gumbel(group, positions, vocab_ids, rows.shape, generator)  # [R, V]
-            chosen = _argmax(torch.sub(rows, noise, out=noise))  # keys = scaled + g
+            chosen = draw_plain(rows, group, positions, generator)
         else:
             chosen = _sample_filtered(rows, group, batch, positions, generator)
         if group.rows is None:

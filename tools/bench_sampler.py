@@ -3,10 +3,17 @@
 For every (batch, vocab, mix) the torch and MLX samplers run side by side in one process,
 alternating which goes first on each repeat (both run orders), and the table reports medians
 and the MLX / torch ratio. `SamplingBatch.build` (host work the engine pays every step) is timed
-separately. The decode step of the default model (SmolLM2-135M geometry) is estimated with a
-dummy-weights transformers LlamaForCausalLM (one decode token per row over a --context KV
-cache), timed in the same interleaved loop, so the last column is the sampler's share of a
-step at that batch size, measured side by side (vocab 49152 rows only).
+separately. A decode step of the default model (SmolLM2-135M geometry) is timed in the same
+interleaved loop, so the last column is the sampler's share of a step at that batch size,
+measured side by side (vocab 49152 rows only). `--decode-step` picks the step:
+  hf-dummy  a dummy-weights transformers LlamaForCausalLM, one decode token per row over a
+            --context KV cache (independent of engine changes);
+  engine    torch_runner's own `Engine.step()` with `batch` running greedy requests of the
+            default model (prompts of --context random tokens; each call decodes one more
+            token per row, so the KV grows by one per call);
+  both      both columns.
+`--logits model` feeds the sampler real logits of the default model (an English paragraph,
+one position per row) instead of synthetic ones.
 
 Example:
     .venv/bin/python tools/bench_sampler.py --batch 1,8,32,64 --vocab 49152,151936,201088
@@ -84,9 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--decode-step",
-        choices=("hf-dummy", "none"),
+        choices=("hf-dummy", "engine", "both", "none"),
         default="hf-dummy",
-        help="time the SmolLM2-135M decode step (dummy weights) beside the sampler (default: %(default)s)",
+        help="which SmolLM2-135M decode step to time beside the sampler (default: %(default)s)",
     )
     parser.add_argument(
         "--context",
@@ -102,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--logits",
-        choices=("zipf", "randn"),
+        choices=("zipf", "randn", "model"),
         default="zipf",
         help="synthetic logits shape (default: %(default)s)",
     )
@@ -146,6 +153,31 @@ class DecodeStep:
         self.cache.crop(-1)
 
 
+class EngineDecodeStep:
+    """`Engine.step()` of the default model with `batch` greedy requests, all decoding (their
+    prompts of `context` random tokens are prefilled here, before any timing)."""
+
+    def __init__(self, batch: int, context: int, dtype: str, max_steps: int = 4096):
+        from torch_runner import Engine
+
+        self.engine = Engine(None, device="cpu", dtype=dtype, max_num_seqs=batch,
+                             max_total_tokens=batch * (context + max_steps + 16),
+                             enable_prefix_caching=False)  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=max_steps, ignore_eos=True)
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.engine.vocab_size
+        for _ in range(batch):
+            self.engine.add_request(
+                None, torch.randint(0, vocab, (context,), generator=gen).tolist(), params
+            )
+        decoding = set()
+        while len(decoding) < batch:  # prefill (possibly over several steps) until all decode
+            decoding.update(out.request_id for out in self.engine.step())
+
+    def __call__(self):
+        self.engine.step()
+
+
 def time_calls(fns: dict, repeats: int, warmup: int) -> dict[str, float]:
     """Median ms per call for each fn, alternating which runs first on each repeat."""
     for fn in fns.values():
@@ -161,6 +193,12 @@ def time_calls(fns: dict, repeats: int, warmup: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+STEP_COLUMNS = {  # --decode-step name -> (timed fn key, step column, share column)
+    "hf-dummy": ("step", "decode step ms", "(build + torch) / step"),
+    "engine": ("engine", "engine step ms", "(build + torch) / engine step"),
+}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
@@ -172,12 +210,16 @@ def main(argv=None) -> None:
 
         impls["mlx"] = mlx_sample
     impls = {k: v for k, v in impls.items() if k in args.impl}
-    with_step = args.decode_step != "none" and "torch" in impls
+    steps = (
+        []
+        if "torch" not in impls
+        else {"none": [], "both": list(STEP_COLUMNS)}.get(args.decode_step, [args.decode_step])
+    )
     header = ["batch", "vocab", "mix", "build ms"] + [f"{k} ms" for k in impls]
     if "mlx" in impls and "torch" in impls:
         header.append("mlx/torch")
-    if with_step:
-        header += ["decode step ms", "(build + torch) / step"]
+    for name in steps:
+        header += list(STEP_COLUMNS[name][1:])
     print(
         f"# sampler benchmark ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch threads "
         f"{torch.get_num_threads()}, logits {args.logits} {args.dtype}, medians of {args.repeats}, "
@@ -189,27 +231,47 @@ def main(argv=None) -> None:
     for vocab in args.vocab:
         for b in args.batch:
             logits = make_logits(args.logits, b, vocab, gen).to(dtype)
-            is_default_model = with_step and vocab == SMOLLM2["vocab_size"]
-            step = DecodeStep(b, args.context, dtype) if is_default_model else None
+            timed_steps = {}
+            if vocab == SMOLLM2["vocab_size"]:
+                if "hf-dummy" in steps:
+                    timed_steps["step"] = DecodeStep(b, args.context, dtype)
+                if "engine" in steps:
+                    timed_steps["engine"] = EngineDecodeStep(b, args.context, args.dtype)
             for mix in args.mix:
                 params = [MIXES[mix](i) for i in range(b)]
-                med = measure(impls, logits, params, args.repeats, args.warmup, step)
+                med = measure(impls, logits, params, args.repeats, args.warmup, timed_steps)
                 row = [str(b), str(vocab), mix, f"{med['build']:.3f}"]
                 row += [f"{med[k]:.2f}" for k in impls]
                 if "mlx" in impls and "torch" in impls:
                     row.append(f"{med['mlx'] / med['torch']:.2f}")
-                if step is not None:
-                    share = 100 * (med["torch"] + med["build"]) / med["step"]
-                    row += [f"{med['step']:.1f}", f"{share:.1f}%"]
-                elif with_step:
-                    row += ["-", "-"]
+                for name in steps:
+                    key = STEP_COLUMNS[name][0]
+                    if key in med:
+                        share = 100 * (med["torch"] + med["build"]) / med[key]
+                        row += [f"{med[key]:.1f}", f"{share:.1f}%"]
+                    else:
+                        row += ["-", "-"]
                 print("| " + " | ".join(row) + " |", flush=True)
+
+
+PARAGRAPH = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press. Within a few decades, "
+    "printing shops had spread to more than two hundred cities across Europe, and the price of "
+    "books fell sharply. Scholars could compare identical copies of a text, merchants printed "
+    "forms and price lists, and reformers used pamphlets to reach readers far beyond their own "
+    "towns. Historians still debate how quickly literacy rose, but most agree that the press "
+    "changed how knowledge was stored, checked and shared."
+)
 
 
 def make_logits(kind: str, batch: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
     """[B, V] fp32 logits: `zipf` (log-probs ~ -1.5 log rank, shuffled ids: language-like, the
-    top-p 0.9 nucleus fits in the 1024 candidates, as on real SmolLM2 logits) or `randn`
-    (N(0, 9): a flat distribution whose nucleus is thousands of tokens, the worst case)."""
+    top-p 0.9 nucleus fits in the 1024 candidates, as on real SmolLM2 logits), `randn`
+    (N(0, 9): a flat distribution whose nucleus is thousands of tokens, the worst case) or
+    `model` (the default model's logits at successive positions of PARAGRAPH, vocab 49152)."""
+    if kind == "model":
+        return model_logits(batch, vocab)
     if kind == "randn":
         return torch.randn(batch, vocab, generator=gen) * 3
     ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
@@ -218,11 +280,31 @@ def make_logits(kind: str, batch: int, vocab: int, gen: torch.Generator) -> torc
     return torch.stack(rows) + 0.1 * torch.randn(batch, vocab, generator=gen)
 
 
+@functools.cache
+def _paragraph_logits() -> torch.Tensor:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models.default_model import default_model_path
+
+    path = default_model_path()
+    ids = AutoTokenizer.from_pretrained(path)(PARAGRAPH, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(ids).logits[0]  # [T, 49152]
+
+
+def model_logits(batch: int, vocab: int) -> torch.Tensor:
+    if vocab != SMOLLM2["vocab_size"]:
+        raise SystemExit(f"--logits model needs --vocab {SMOLLM2['vocab_size']}; got {vocab}")
+    logits = _paragraph_logits()
+    return logits[torch.arange(batch) % logits.shape[0]].contiguous()
+
+
 def measure(
-    impls: dict, logits, params: list, repeats: int, warmup: int, step=None
+    impls: dict, logits, params: list, repeats: int, warmup: int, steps: dict | None = None
 ) -> dict[str, float]:
-    """Median ms per sampler call (each impl), per SamplingBatch.build and (when given) per
-    decode step, all interleaved in one loop so machine load hits them alike."""
+    """Median ms per sampler call (each impl), per SamplingBatch.build and per decode step in
+    `steps` (name -> fn), all interleaved in one loop so machine load hits them alike."""
     rows, vocab = logits.shape
     positions = torch.arange(rows, dtype=torch.int64) + 100
     prompts, outputs = [list(range(32))] * rows, [list(range(16))] * rows
@@ -236,8 +318,7 @@ def measure(
         for name, fn in impls.items()
     }
     fns["build"] = build
-    if step is not None:
-        fns["step"] = step
+    fns.update(steps or {})
     return time_calls(fns, repeats, warmup)
 
 

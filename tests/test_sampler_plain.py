@@ -1,0 +1,149 @@
+"""Temperature-only rows (ops/sampling_plain.py): the candidate-pruned seeded draw picks the token
+of the full hash over the vocabulary (ties included), the int32 noise route is the int64 one bit
+for bit, and the inverse-CDF draw follows softmax. Oracles: numpy float32 noise from the
+pure-Python hash, brute-force argmax, chi-square against the exact distribution."""
+
+import numpy as np
+import pytest
+import torch
+
+from ops.sampling import sample
+from ops.sampling_batch import SamplingBatch
+from ops.sampling_hash import U_MAX, U_MIN, finish_hash, neg_gumbel_from_hash, row_prefix_hash
+from ops.sampling_params import SamplingParams as SP
+from ops.sampling_plain import full_seeded_draw, inverse_cdf_draw, seeded_draw
+from tests.test_sampler_distribution import chi_square_limit
+from tests.test_sampler_hash import reference_hash
+
+M = 0xFFFFFFFF
+FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+def reference_neg_gumbel(hashes: np.ndarray) -> torch.Tensor:
+    """-g by the contract's int64 route: float32(h) / float32(0xFFFFFFFF), clamp, log(-log u)."""
+    u = np.clip(hashes.astype(np.float32) / np.float32(M), np.float32(U_MIN), np.float32(U_MAX))
+    return torch.from_numpy(u).log().neg().log()
+
+
+def test_int32_noise_route_is_the_int64_route_bit_for_bit():
+    rng = np.random.default_rng(0)
+    # float32 rounding ties and edges of the hi/lo split, then random words
+    edges = [0, 1, 127, 128, 255, 256, 2**24 - 1, 2**24, 2**24 + 1, 2**31 - 1, 2**31, M]
+    edges += [2**31 + 128, 2**31 + 384, 2**32 - 128, 2**32 - 129, 2**25 + 2, 2**25 + 6]
+    hashes = np.concatenate([np.array(edges, dtype=np.uint64), rng.integers(0, 2**32, 200_000)])
+    words = torch.from_numpy(hashes.astype(np.uint32).view(np.int32).copy())
+    got = neg_gumbel_from_hash(words)
+    want = reference_neg_gumbel(hashes)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_hash_of_candidates_matches_reference():
+    seeds, positions = torch.tensor([5, 2**40 + 3]), torch.tensor([17, 2**31 - 1])
+    tokens = torch.tensor([[0, 9, 49151], [3, 3, 201087]])
+    got = finish_hash(row_prefix_hash(seeds, positions), tokens).numpy().view(np.uint32)
+    for r in range(2):
+        want = [reference_hash(int(seeds[r]), int(positions[r]), int(t)) for t in tokens[r]]
+        assert got[r].tolist() == want
+
+
+def brute_force_seeded(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    """First argmax of rows - (-g), -g from the int64 reference route, every token hashed."""
+    vocab = rows.shape[-1]
+    h = finish_hash(prefix, torch.arange(vocab)).numpy().view(np.uint32).astype(np.uint64)
+    return (rows - reference_neg_gumbel(h)).max(dim=-1).indices
+
+
+def mixed_rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Peaked, flat, masked and extreme rows: every branch of the pruned draw."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(num_rows, vocab, generator=gen) * 6  # about a fifth are candidates
+    rows[0] = rows[0] * 4  # peaked: few candidates
+    rows[1] = torch.randn(vocab, generator=gen) * 0.5  # flat: every token a candidate (wide)
+    rows[2, ::3] = float("-inf")  # grammar-masked
+    rows[3] = float("-inf")  # no finite logit
+    rows[4, 7] = FLOAT_MAX  # +inf became the largest float
+    rows[5] = rows[5] * 100  # huge spread
+    rows[6] = rows[6] * 1e-3 + 1e6  # large magnitude, tiny spread (rounding margin)
+    return rows
+
+
+@pytest.mark.parametrize("vocab", [300, 4099])
+def test_pruned_seeded_draw_is_the_full_draw(vocab):
+    rows = mixed_rows(12, vocab, seed=vocab)
+    seeds = torch.tensor([3, 2**63 - 1, 0, 42, 7, 8, 9, 10, 11, 12, 13, 2**31])
+    prefix = row_prefix_hash(seeds, torch.arange(12) + 1000)
+    want = brute_force_seeded(rows, prefix)
+    assert torch.equal(full_seeded_draw(rows, prefix), want)
+    assert torch.equal(seeded_draw(rows, prefix), want)
+    assert want[3] == 0 and want[4] == 7
+    narrow = torch.tensor([0, 4, 5])  # no wide row: the candidates-only branch
+    assert torch.equal(seeded_draw(rows[narrow], prefix[narrow]), want[narrow])
+
+
+@pytest.mark.parametrize("first, second", [(10, 200), (200, 10)])
+def test_equal_keys_go_to_the_lowest_id_as_in_the_full_draw(first, second):
+    vocab = 256
+    prefix = row_prefix_hash(torch.tensor([99]), torch.tensor([5]))
+    neg_g = neg_gumbel_from_hash(finish_hash(prefix, torch.arange(vocab)))[0]
+    row = torch.full((vocab,), -50.0)
+    row[second] = 3.0
+    key = row[second] - neg_g[second]
+    x = (key + neg_g[first]).reshape(1)  # find x with x - (-g) == key exactly
+    while (x - neg_g[first]) != key:
+        x = torch.nextafter(x, torch.tensor([float("inf") if x - neg_g[first] < key else 0.0]))
+    row[first] = x[0]
+    rows = row[None]
+    assert torch.equal(brute_force_seeded(rows, prefix), torch.tensor([min(first, second)]))
+    assert seeded_draw(rows, prefix).item() == min(first, second)
+
+
+def test_seeded_plain_rows_follow_softmax_on_the_pruned_path():
+    """Peaked rows (12 live tokens among 4096) keep the pruned path; the draws over positions
+    follow softmax(logits / T) of the live tokens."""
+    live = torch.tensor([1.3, -0.3, 2.0, 0.2, 1.0, -2.0, 0.7, 1.6, 0.0, -0.8, 0.5, -1.2])
+    vocab, num_draws, temperature = 4096, 20000, 0.9
+    ids = torch.arange(12) * 300 + 11  # spread over the vocabulary
+    row = torch.full((vocab,), -40.0)
+    row[ids] = live
+    params = [SP(temperature=temperature, seed=77)] * num_draws
+    batch = SamplingBatch.build(params, [[]] * num_draws, [[]] * num_draws, vocab, "cpu")
+    tokens = sample(row.repeat(num_draws, 1), batch, torch.arange(num_draws)).token_ids
+    assert torch.isin(tokens, ids).all()
+    observed = np.bincount(np.searchsorted(ids.numpy(), tokens.numpy()), minlength=12)
+    expected = torch.softmax(live.double() / temperature, 0).numpy() * num_draws
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    assert stat < chi_square_limit(11), (stat, observed, expected.round(1))
+
+
+def test_inverse_cdf_draw_follows_softmax_and_never_picks_masked_tokens():
+    vocab, num_draws = 40, 20000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(3))
+    logits[::4] = float("-inf")
+    logits[-1] = 1.5  # the last id live: the target never passes the row total
+    tokens = inverse_cdf_draw(logits.repeat(num_draws, 1), torch.Generator().manual_seed(8))
+    observed = np.bincount(tokens.numpy(), minlength=vocab)
+    expected = torch.softmax(logits.double(), 0).numpy() * num_draws
+    assert observed[expected == 0].sum() == 0
+    live = expected > 0
+    stat = float(((observed[live] - expected[live]) ** 2 / expected[live]).sum())
+    assert stat < chi_square_limit(int(live.sum()) - 1), stat
+
+
+def test_mixed_seeded_and_unseeded_plain_rows():
+    """Seeded rows of a mixed group pick the reference token; unseeded ones follow softmax."""
+    vocab, n = 30, 4000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(4))
+    params = [SP(temperature=0.8, seed=5) if i % 4 == 0 else SP(temperature=0.8) for i in range(n)]
+    batch = SamplingBatch.build(params, [[]] * n, [[]] * n, vocab, "cpu")
+    positions = torch.arange(n) + 3
+    tokens = sample(logits.repeat(n, 1), batch, positions, torch.Generator().manual_seed(1))
+    tokens = tokens.token_ids
+    seeded = torch.arange(0, n, 4)
+    prefix = row_prefix_hash(torch.full((len(seeded),), 5), positions[seeded])
+    scaled = (logits / 0.8).repeat(len(seeded), 1)
+    assert torch.equal(tokens[seeded], brute_force_seeded(scaled, prefix))
+    others = tokens[torch.arange(n) % 4 != 0].numpy()
+    observed = np.bincount(others, minlength=vocab)
+    expected = torch.softmax(logits.double() / 0.8, 0).numpy() * len(others)
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    assert stat < chi_square_limit(vocab - 1), stat
