@@ -70,11 +70,19 @@ class RopeAt:
         return out.transpose(1, 2)
 
 
-def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linears(
+    *linears: nn.Linear, input_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate linears' weights (and biases) along the output dim, and re-point each
     linear's parameters at its slice, so the HF-named state dict and the fused matmul share one
-    storage (in-place updates such as load_state_dict reach both; no memory is duplicated)."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
+    storage (in-place updates such as load_state_dict reach both; no memory is duplicated).
+
+    input_major: store the fused matrix as [in, sum(out)] and return its [sum(out), in] view
+    (see `store_input_major`)."""
+    if input_major:
+        weight = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).t()
+    else:
+        weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
     start = 0
@@ -125,9 +133,11 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
 
-    def fuse(self) -> None:
+    def fuse(self, input_major: bool = False) -> None:
         """One q/k/v matmul per layer instead of three (called by the loader after loading)."""
-        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight, self.qkv_bias = fuse_linears(
+            self.q_proj, self.k_proj, self.v_proj, input_major=input_major
+        )
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RopeAt, cache
@@ -181,9 +191,11 @@ class GatedMLP(nn.Module):
         self.register_buffer("gate_up_weight", None, persistent=False)
         self.register_buffer("gate_up_bias", None, persistent=False)
 
-    def fuse(self) -> None:
+    def fuse(self, input_major: bool = False) -> None:
         """One gate/up matmul instead of two (called by the loader after loading)."""
-        self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
+        self.gate_up_weight, self.gate_up_bias = fuse_linears(
+            self.gate_proj, self.up_proj, input_major=input_major
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
@@ -192,11 +204,30 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)  # [B, N, H]
 
 
-def fuse_projections(model: nn.Module) -> None:
+def fuse_projections(model: nn.Module, input_major: bool = False) -> None:
     """Build every fused q/k/v and gate/up matmul of a loaded model (see `fuse_linears`)."""
     for module in model.modules():
         if isinstance(module, (Attention, GatedMLP)):
-            module.fuse()
+            module.fuse(input_major=input_major)
+
+
+def store_input_major(model: nn.Module) -> None:
+    """Re-store every linear weight (and a tied embedding, which is the lm_head) as [in, out] in
+    memory; each parameter stays an [out, in] view, so names, shapes, values and F.linear calls
+    are unchanged and the old storage is freed (memory neutral).
+
+    Why: at decode's few rows x @ W.T reads W far faster from an [in, out] row-major matrix on
+    x86 CPU BLAS: MKL's small-M NT path reached ~12 GB/s, the NN path ~17 GB/s on the 2-core
+    box (tools/bench_linear_layout.py). The runner applies it on CPU (`weight_packing=auto`)."""
+    fuse_projections(model, input_major=True)
+    is_tied = getattr(model, "lm_head", False) is None
+    for module in model.modules():
+        is_matrix = isinstance(module, nn.Linear) or (is_tied and isinstance(module, nn.Embedding))
+        weight = module.weight if is_matrix else None
+        if weight is not None and weight.dim() == 2 and weight.is_contiguous():  # fused: done
+            module.weight = nn.Parameter(
+                weight.detach().t().contiguous().t(), requires_grad=weight.requires_grad
+            )
 
 
 class DecoderLayer(nn.Module):

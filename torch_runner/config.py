@@ -7,6 +7,7 @@ it accepts) before a weight is read.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -47,11 +48,14 @@ class EngineConfig:
     load_format: str = "safetensors"
     max_waiting: int = 1024
     max_cached_windows: int = 64  # SWA prefix-cache window snapshots kept (LRU)
-    weight_packing: str = "auto"  # auto: oneDNN-packed linear weights on CPU; off: plain F.linear
+    weight_packing: str = "auto"  # auto: input-major linear weights on CPU; off: as loaded
     enforce_eager: bool = False  # True: never capture CUDA graphs for decode
     cuda_graph_max_bs: int = 64  # decode batches above this size run eagerly
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer"):  # pathlib.Path is as good as a string
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model={self.model!r} is invalid; expected a path string or None")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):

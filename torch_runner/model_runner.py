@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 import ops
+from models.layers import store_input_major
 from ops.sampling_batch import SamplingBatch
 from torch_runner.cuda_graphs import DecodeGraphs
 from torch_runner.kv_cache import (
@@ -91,6 +92,8 @@ class ModelRunner:
         eos_token_ids=(),
     ):
         self.model = loaded.model
+        if device.type == "cpu" and config.weight_packing == "auto":
+            store_input_major(self.model)  # faster small-batch matmuls on CPU BLAS
         self.eos_token_ids = list(eos_token_ids)
         self.args = loaded.args
         self.device = device

@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-packing",
         choices=("auto", "off"),
         default=d["weight_packing"],
-        help="auto: on CPU, linear weights are prepacked for oneDNN (faster decode, one packed "
-        "copy of each matrix); off: plain torch linear. Default: %(default)s.",
+        help="auto: on CPU, store linear weights input-major ([in, out] in memory, same values "
+        "and memory), which CPU BLAS reads ~1.4x faster at decode's few rows; off: as loaded. "
+        "Default: %(default)s.",
     )
     engine.add_argument(
         "--enforce-eager",
