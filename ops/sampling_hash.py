@@ -69,17 +69,29 @@ def row_prefix_hash(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     return _mix(h, _low_word(positions))
 
 
+def token_words(token_ids: torch.Tensor) -> torch.Tensor:
+    """The token word as mixed into the hash (k1 = rotl(tok * c1, 15) * c2), int32, same shape:
+    independent of seed and position, so a vocabulary's table can be gathered per candidate."""
+    return _scramble(_low_word(token_ids))
+
+
 def finish_hash(
     prefix: torch.Tensor, token_ids: torch.Tensor, scratch: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Mix the token word into per-row prefixes and finalise: prefix [R], token_ids [R, W] or [W].
 
-    The hot loop of seeded full-vocabulary rows: every [R, W] step runs in place on one buffer
-    plus `scratch` (int32 [R, W], clobbered), since allocating [R, W] temporaries cost as much as
-    the arithmetic (measured ~3x slower).
+    `scratch` (int32 [R, W], clobbered) saves one allocation (see finish_words_).
     """
-    k = _scramble(_low_word(token_ids))  # depends on the token only; [W] when shared by rows
-    h = prefix[:, None] ^ k  # [R, W]
+    return finish_words_(prefix[:, None] ^ token_words(token_ids), scratch)  # [R, W]
+
+
+def finish_words_(h: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """The hash from h = prefix ^ token word (int32, any shape), in place.
+
+    The hot loop of seeded full-vocabulary rows: every step runs in place on `h` plus `scratch`
+    (int32, h's shape, clobbered), since allocating [R, W] temporaries cost as much as the
+    arithmetic (measured ~3x slower).
+    """
     t = torch.empty_like(h) if scratch is None else scratch
     low_bits = _shr_into(h, 32 - 13, t)  # before the shift below: rotl 13
     h.bitwise_left_shift_(13).bitwise_or_(low_bits)
