@@ -6,13 +6,13 @@ These rows pay for the full vocabulary every step, so each kind has its own chea
             uniform generator alone cost ~11 ms at [64, 49152]). Exact to float32 resolution
             (cumsum accumulates in double on CPU; a token's probability is off by at most ~2^-24
             of the row mass), reproducible under a fixed generator state. On devices, Gumbel-max.
-  seeded    Gumbel-max with the contract's hash noise, argmax(scaled + g). The clamp bounds
-            g < GUMBEL_BOUND, so a token j can only win if scaled_j + GUMBEL_BOUND reaches the
-            key of the row's top-logit token. On CPU (where reading a tensor is no device sync)
-            only those candidates are hashed; rows whose candidates exceed a quarter of the
-            vocabulary (flat rows, high temperature) hash everything. Same token as the full
-            computation, bit for bit: same noise per (seed, position, token), same keys, ties
-            to the lowest id as `max(dim)` does.
+  seeded    Gumbel-max with the contract's hash noise, argmax(scaled + g), every token hashed
+            (int32 words, in place); on CPU in cache-sized column chunks. Bit for bit the noise,
+            keys and token of the whole-row computation (ties to the lowest id, as `max(dim)`).
+            Pruning to the tokens that can still win (g < 16.64 by the clamp) was measured and
+            dropped: on real SmolLM2 logits at temperature 0.8, 7-11% of the vocabulary stays
+            within reach, and finding them (row max, compare, nonzero) cost as much as the
+            chunked hash of every token on 2 threads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from ops.sampling_hash import (
-    finish_hash,
     finish_words_,
     neg_gumbel_,
     neg_gumbel_from_hash,
@@ -28,9 +27,7 @@ from ops.sampling_hash import (
     token_words,
 )
 
-# u <= 1 - 2^-24 gives g = -log(-log(u)) <= 16.64; 17 leaves room for float32 rounding.
-GUMBEL_BOUND = 17.0
-MAX_CANDIDATE_FRACTION = 0.25  # above it the per-candidate gathers cost more than hashing all
+CHUNK_COLUMNS = 8192  # CPU: [64, 8192] int32 = 2 MiB per buffer
 
 
 def draw_plain(rows: torch.Tensor, group, positions: torch.Tensor, generator) -> torch.Tensor:
@@ -78,49 +75,34 @@ def inverse_cdf_draw(rows: torch.Tensor, generator) -> torch.Tensor:
 
 
 def seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-    """argmax(rows + g) [R] with g the hash noise of per-row `prefix` [R] and the token id."""
-    if rows.device.type != "cpu":
-        return full_seeded_draw(rows, prefix)
-    top, top_ids = rows.max(dim=-1)  # [R]
-    # The top-logit token's key bounds the winner's key from below; only tokens within
-    # GUMBEL_BOUND of it can reach it (margin: |best| * 2^-16 covers float32 rounding).
-    best = top - neg_gumbel_from_hash(finish_hash(prefix, top_ids[:, None]))[:, 0]
-    floor = best - (best.abs() * 2.0**-16 + GUMBEL_BOUND)  # [R]; -inf: no finite logit
-    flat = (rows >= floor[:, None]).view(-1).nonzero().squeeze(1)  # [N] candidates, row-major
-    row_ids = flat.div(rows.shape[-1], rounding_mode="floor")
-    is_wide = (
-        torch.bincount(row_ids, minlength=rows.shape[0]) > MAX_CANDIDATE_FRACTION * rows.shape[-1]
-    )
-    if not is_wide.any():
-        return _candidates_draw(rows, prefix, flat, row_ids)
-    # flat rows (high temperature): hashing every token beats the per-candidate gathers
-    chosen = torch.empty(rows.shape[0], dtype=torch.int64)
-    wide = is_wide.nonzero().squeeze(1)
-    chosen[wide] = full_seeded_draw(rows.index_select(0, wide), prefix.index_select(0, wide))
-    keep = (~is_wide).index_select(0, row_ids)  # candidates of the narrow rows
-    narrow = _candidates_draw(rows, prefix, flat[keep], row_ids[keep])
-    return torch.where(is_wide, chosen, narrow)
+    """argmax(rows + g) [R], g the hash noise of per-row `prefix` [R] and every token id.
 
-
-def _candidates_draw(rows, prefix, flat, row_ids) -> torch.Tensor:
-    """Gumbel-max over the candidates `flat` [N] (flat indices into `rows` [R, V], row-major;
-    `row_ids` [N] their rows). Rows without candidates get id V (callers never keep them)."""
+    On CPU in column chunks of CHUNK_COLUMNS, so the ~25 passes of hash, noise and keys run on
+    cache-resident buffers (measured 1.5-2x faster than whole rows at [64, 49152]); a later
+    chunk wins only with a strictly larger key, so ties still go to the lowest id.
+    """
     num_rows, vocab = rows.shape
-    token_ids = flat - row_ids * vocab
-    words = token_words(torch.arange(vocab))  # [V]: gathered, not recomputed per candidate
-    h = prefix.index_select(0, row_ids).bitwise_xor_(words.index_select(0, token_ids))  # [N]
-    noise = neg_gumbel_from_hash(finish_words_(h))
-    keys = rows.reshape(-1).index_select(0, flat).sub_(noise)  # [N], as the full path does
-    row_best = keys.new_full((num_rows,), float("-inf"))
-    row_best.scatter_reduce_(0, row_ids, keys, "amax")
-    # first id among equal keys, as max(dim) picks
-    winners = torch.where(keys == row_best.index_select(0, row_ids), token_ids, vocab)
-    chosen = torch.full((num_rows,), vocab, dtype=torch.int64)
-    return chosen.scatter_reduce_(0, row_ids, winners, "amin")
-
-
-def full_seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-    """argmax(rows + g) [R] hashing every (row, token): the device path and the wide rows."""
-    token_ids = torch.arange(rows.shape[-1], device=rows.device)
-    noise = neg_gumbel_from_hash(finish_hash(prefix, token_ids))  # [R, V] = -g
-    return torch.sub(rows, noise, out=noise).max(dim=-1).indices
+    words = token_words(torch.arange(vocab, device=rows.device))  # [V]
+    width = vocab if rows.device.type != "cpu" else min(vocab, CHUNK_COLUMNS)
+    h = torch.empty(num_rows, width, dtype=torch.int32, device=rows.device)
+    scratch, keys = torch.empty_like(h), torch.empty(h.shape, device=rows.device)
+    best = best_ids = None
+    for start in range(0, vocab, width):
+        end = min(start + width, vocab)
+        if end - start < width:  # the last, narrower chunk
+            h, scratch, keys = (
+                h[:, : end - start],
+                scratch[:, : end - start],
+                keys[:, : end - start],
+            )
+            h, scratch, keys = h.contiguous(), scratch.contiguous(), keys.contiguous()
+        torch.bitwise_xor(prefix[:, None], words[start:end], out=h)
+        noise = neg_gumbel_from_hash(finish_words_(h, scratch), out=keys, scratch=scratch)
+        values, ids = torch.sub(rows[:, start:end], noise, out=keys).max(dim=-1)  # [R]
+        if best is None:
+            best, best_ids = values, ids
+        else:
+            is_better = values > best
+            best = torch.where(is_better, values, best)
+            best_ids = torch.where(is_better, ids + start, best_ids)
+    return best_ids

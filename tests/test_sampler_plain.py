@@ -1,7 +1,7 @@
-"""Temperature-only rows (ops/sampling_plain.py): the candidate-pruned seeded draw picks the token
-of the full hash over the vocabulary (ties included), the int32 noise route is the int64 one bit
-for bit, and the inverse-CDF draw follows softmax. Oracles: numpy float32 noise from the
-pure-Python hash, brute-force argmax, chi-square against the exact distribution."""
+"""Temperature-only rows (ops/sampling_plain.py): the chunked seeded draw picks the token of the
+whole-row argmax (ties included), the int32 noise route is the int64 one bit for bit, and the
+inverse-CDF draw follows softmax. Oracles: numpy float32 noise from the pure-Python hash,
+brute-force argmax, chi-square against the exact distribution."""
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from ops.sampling import sample
 from ops.sampling_batch import SamplingBatch
 from ops.sampling_hash import U_MAX, U_MIN, finish_hash, neg_gumbel_from_hash, row_prefix_hash
 from ops.sampling_params import SamplingParams as SP
-from ops.sampling_plain import full_seeded_draw, inverse_cdf_draw, seeded_draw
+from ops.sampling_plain import inverse_cdf_draw, seeded_draw
 from tests.test_sampler_distribution import chi_square_limit
 from tests.test_sampler_hash import reference_hash
 
@@ -54,7 +54,7 @@ def brute_force_seeded(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor
 
 
 def mixed_rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
-    """Peaked, flat, masked and extreme rows: every branch of the pruned draw."""
+    """Peaked, flat, masked and extreme rows."""
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randn(num_rows, vocab, generator=gen) * 6  # about a fifth are candidates
     rows[0] = rows[0] * 4  # peaked: few candidates
@@ -67,21 +67,21 @@ def mixed_rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
     return rows
 
 
-@pytest.mark.parametrize("vocab", [300, 4099])
-def test_pruned_seeded_draw_is_the_full_draw(vocab):
+@pytest.mark.parametrize("vocab, chunk", [(300, 8192), (4099, 8192), (4099, 1000)])
+def test_chunked_seeded_draw_is_the_whole_row_argmax(vocab, chunk, monkeypatch):
+    monkeypatch.setattr("ops.sampling_plain.CHUNK_COLUMNS", chunk)  # 1000: 4 chunks + 99
     rows = mixed_rows(12, vocab, seed=vocab)
     seeds = torch.tensor([3, 2**63 - 1, 0, 42, 7, 8, 9, 10, 11, 12, 13, 2**31])
     prefix = row_prefix_hash(seeds, torch.arange(12) + 1000)
     want = brute_force_seeded(rows, prefix)
-    assert torch.equal(full_seeded_draw(rows, prefix), want)
     assert torch.equal(seeded_draw(rows, prefix), want)
     assert want[3] == 0 and want[4] == 7
-    narrow = torch.tensor([0, 4, 5])  # no wide row: the candidates-only branch
-    assert torch.equal(seeded_draw(rows[narrow], prefix[narrow]), want[narrow])
 
 
 @pytest.mark.parametrize("first, second", [(10, 200), (200, 10)])
-def test_equal_keys_go_to_the_lowest_id_as_in_the_full_draw(first, second):
+@pytest.mark.parametrize("chunk", [8192, 100])  # 100: the tied tokens in different chunks
+def test_equal_keys_go_to_the_lowest_id_as_in_the_full_draw(first, second, chunk, monkeypatch):
+    monkeypatch.setattr("ops.sampling_plain.CHUNK_COLUMNS", chunk)
     vocab = 256
     prefix = row_prefix_hash(torch.tensor([99]), torch.tensor([5]))
     neg_g = neg_gumbel_from_hash(finish_hash(prefix, torch.arange(vocab)))[0]
@@ -97,9 +97,10 @@ def test_equal_keys_go_to_the_lowest_id_as_in_the_full_draw(first, second):
     assert seeded_draw(rows, prefix).item() == min(first, second)
 
 
-def test_seeded_plain_rows_follow_softmax_on_the_pruned_path():
-    """Peaked rows (12 live tokens among 4096) keep the pruned path; the draws over positions
-    follow softmax(logits / T) of the live tokens."""
+def test_seeded_plain_rows_follow_softmax_over_chunks(monkeypatch):
+    """12 live tokens spread over 4096 (CHUNK_COLUMNS 1000: every chunk boundary crossed); the
+    draws over positions follow softmax(logits / T) of the live tokens."""
+    monkeypatch.setattr("ops.sampling_plain.CHUNK_COLUMNS", 1000)
     live = torch.tensor([1.3, -0.3, 2.0, 0.2, 1.0, -2.0, 0.7, 1.6, 0.0, -0.8, 0.5, -1.2])
     vocab, num_draws, temperature = 4096, 20000, 0.9
     ids = torch.arange(12) * 300 + 11  # spread over the vocabulary
