@@ -97,7 +97,7 @@ def seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
             )
             h, scratch, keys = h.contiguous(), scratch.contiguous(), keys.contiguous()
         torch.bitwise_xor(prefix[:, None], words[start:end], out=h)
-        noise = neg_gumbel_from_hash(finish_words_(h, scratch), out=keys, scratch=scratch)
+        noise = neg_gumbel_from_hash(finish_words_(h, scratch), out=keys)
         values, ids = torch.sub(rows[:, start:end], noise, out=keys).max(dim=-1)  # [R]
         if best is None:
             best, best_ids = values, ids
