@@ -70,19 +70,11 @@ class RopeAt:
         return out.transpose(1, 2)
 
 
-def fuse_linears(
-    *linears: nn.Linear, input_major: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate linears' weights (and biases) along the output dim, and re-point each
     linear's parameters at its slice, so the HF-named state dict and the fused matmul share one
-    storage (in-place updates such as load_state_dict reach both; no memory is duplicated).
-
-    input_major: store the fused matrix as [in, sum(out)] and return its [sum(out), in] view
-    (see `store_input_major`)."""
-    if input_major:
-        weight = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).t()
-    else:
-        weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
+    storage (in-place updates such as load_state_dict reach both; no memory is duplicated)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
     start = 0
@@ -133,11 +125,9 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
 
-    def fuse(self, input_major: bool = False) -> None:
+    def fuse(self) -> None:
         """One q/k/v matmul per layer instead of three (called by the loader after loading)."""
-        self.qkv_weight, self.qkv_bias = fuse_linears(
-            self.q_proj, self.k_proj, self.v_proj, input_major=input_major
-        )
+        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RopeAt, cache
@@ -149,7 +139,7 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(b, n, hkv, d)  # [B, N, Hkv, D]
             v = self.v_proj(x).view(b, n, hkv, d)
         else:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(b, n, hq + 2 * hkv, d)
+            qkv = ops.linear(x, self.qkv_weight, self.qkv_bias).view(b, n, hq + 2 * hkv, d)
             if self.q_norm is None:  # q and k rotate together: one rope for both
                 qk = rope(qkv[:, :, : hq + hkv])  # [B, N, Hq + Hkv, D]
                 q, k = qk[:, :, :hq], qk[:, :, hq:]
@@ -167,7 +157,8 @@ class Attention(nn.Module):
         out = ops.attention(
             q, k, v, positions, layout, sm_scale=self.scale, sinks=self.sinks, window=self.window
         )  # [B, Hq, N, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        out = out.transpose(1, 2).reshape(b, n, -1)  # [B, N, Hq * D]
+        return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -191,43 +182,69 @@ class GatedMLP(nn.Module):
         self.register_buffer("gate_up_weight", None, persistent=False)
         self.register_buffer("gate_up_bias", None, persistent=False)
 
-    def fuse(self, input_major: bool = False) -> None:
+    def fuse(self) -> None:
         """One gate/up matmul instead of two (called by the loader after loading)."""
-        self.gate_up_weight, self.gate_up_bias = fuse_linears(
-            self.gate_proj, self.up_proj, input_major=input_major
-        )
+        self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)  # [B, N, H]
+        gate, up = ops.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        down = self.down_proj
+        return ops.linear(self.act(gate) * up, down.weight, down.bias)  # [B, N, H]
 
 
-def fuse_projections(model: nn.Module, input_major: bool = False) -> None:
+def fuse_projections(model: nn.Module) -> None:
     """Build every fused q/k/v and gate/up matmul of a loaded model (see `fuse_linears`)."""
     for module in model.modules():
         if isinstance(module, (Attention, GatedMLP)):
-            module.fuse(input_major=input_major)
+            module.fuse()
 
 
-def store_input_major(model: nn.Module) -> None:
-    """Re-store every linear weight (and a tied embedding, which is the lm_head) as [in, out] in
-    memory; each parameter stays an [out, in] view, so names, shapes, values and F.linear calls
-    are unchanged and the old storage is freed (memory neutral).
+class PackedHead(nn.Module):
+    """A tied model's lm_head once packed: a packed copy of the embedding matrix (the embedding
+    itself stays dense for lookups). A non-persistent buffer, so the state dict is unchanged."""
 
-    Why: at decode's few rows x @ W.T reads W far faster from an [in, out] row-major matrix on
-    x86 CPU BLAS: MKL's small-M NT path reached ~12 GB/s, the NN path ~17 GB/s on the 2-core
-    box (tools/bench_linear_layout.py). The runner applies it on CPU (`weight_packing=auto`)."""
-    fuse_projections(model, input_major=True)
-    is_tied = getattr(model, "lm_head", False) is None
-    for module in model.modules():
-        is_matrix = isinstance(module, nn.Linear) or (is_tied and isinstance(module, nn.Embedding))
-        weight = module.weight if is_matrix else None
-        if weight is not None and weight.dim() == 2 and weight.is_contiguous():  # fused: done
-            module.weight = nn.Parameter(
-                weight.detach().t().contiguous().t(), requires_grad=weight.requires_grad
-            )
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+
+
+def pack_linear_weights(model: nn.Module) -> None:
+    """Pack every decode matmul's weight for the CPU kernel (`ops.pack_weight`), in place.
+
+    The fused q/k/v and gate/up matrices and o_proj / down_proj / lm_head become packed
+    (opaque) tensors; the q/k/v and gate/up parameters, slices of the fused matrices, become
+    `meta` placeholders of the same shape, so the dense copies are freed (memory neutral) and
+    the state dict keeps every name and shape but is no longer a checkpoint. A tied lm_head
+    adds one packed copy of the embedding. Inference only: the runner calls this once.
+    """
+
+    def pack_param(linear: nn.Linear) -> None:
+        linear.weight = nn.Parameter(ops.pack_weight(linear.weight), requires_grad=False)
+
+    def to_placeholders(*linears: nn.Linear) -> None:
+        for lin in linears:
+            meta = torch.empty(lin.weight.shape, dtype=lin.weight.dtype, device="meta")
+            lin.weight = nn.Parameter(meta, requires_grad=False)
+
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            if module.qkv_weight is None:
+                module.fuse()
+            module.qkv_weight = ops.pack_weight(module.qkv_weight)
+            to_placeholders(module.q_proj, module.k_proj, module.v_proj)
+            pack_param(module.o_proj)
+        elif isinstance(module, GatedMLP):
+            if module.gate_up_weight is None:
+                module.fuse()
+            module.gate_up_weight = ops.pack_weight(module.gate_up_weight)
+            to_placeholders(module.gate_proj, module.up_proj)
+            pack_param(module.down_proj)
+    if getattr(model, "lm_head", False) is None:  # tied: the embedding is also the lm_head
+        model.lm_head = PackedHead(ops.pack_weight(model.model.embed_tokens.weight))
+    elif isinstance(getattr(model, "lm_head", None), nn.Linear):
+        pack_param(model.lm_head)
 
 
 class DecoderLayer(nn.Module):
@@ -273,7 +290,7 @@ def project_to_vocab(
 ) -> torch.Tensor:
     """hidden [..., H] -> logits [..., V]; tied models (lm_head None) reuse the embedding matrix."""
     weight = embed_tokens.weight if lm_head is None else lm_head.weight
-    return F.linear(hidden, weight)
+    return ops.linear(hidden, weight)
 
 
 class CausalLM(nn.Module):

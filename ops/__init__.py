@@ -9,6 +9,7 @@ module itself with `from ops.attention import ...` or `importlib.import_module("
 """
 
 from ops.attention import KeyLayout
+from ops.linear import can_pack, linear, pack_weight
 from ops.registry import OPS, backends, configure, make_dispatcher
 from ops.rope import rope_cos_sin, rope_init
 
@@ -30,13 +31,16 @@ __all__ = [
     "apply_rope",
     "attention",
     "backends",
+    "can_pack",
     "configure",
     "dit_rope",
     "layer_norm",
+    "linear",
     "moe_gpt_oss",
     "moe_qwen3",
     "modulate",
     "norm_infer",
+    "pack_weight",
     "rms_norm",
     "rope_cos_sin",
     "rope_init",

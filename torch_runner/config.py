@@ -48,7 +48,7 @@ class EngineConfig:
     load_format: str = "safetensors"
     max_waiting: int = 1024
     max_cached_windows: int = 64  # SWA prefix-cache window snapshots kept (LRU)
-    weight_packing: str = "auto"  # auto: input-major linear weights on CPU; off: as loaded
+    weight_packing: str = "auto"  # auto: oneDNN-packed matmul weights on CPU; off: dense
     enforce_eager: bool = False  # True: never capture CUDA graphs for decode
     cuda_graph_max_bs: int = 64  # decode batches above this size run eagerly
 
