@@ -87,6 +87,8 @@ def seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
     h = torch.empty(num_rows, width, dtype=torch.int32, device=rows.device)
     scratch, keys = torch.empty_like(h), torch.empty(h.shape, device=rows.device)
     best = best_ids = None
+    is_cpu = rows.device.type == "cpu"
+    ranks = torch.arange(width, 0, -1, dtype=torch.float32, device=rows.device)  # for _max_
     for start in range(0, vocab, width):
         end = min(start + width, vocab)
         if end - start < width:  # the last, narrower chunk
@@ -98,7 +100,8 @@ def seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
             h, scratch, keys = h.contiguous(), scratch.contiguous(), keys.contiguous()
         torch.bitwise_xor(prefix[:, None], words[start:end], out=h)
         noise = neg_gumbel_from_hash(finish_words_(h, scratch), out=keys)
-        values, ids = torch.sub(rows[:, start:end], noise, out=keys).max(dim=-1)  # [R]
+        torch.sub(rows[:, start:end], noise, out=keys)  # [R, W] keys = scaled + g
+        values, ids = _max_(keys, ranks[-keys.shape[-1] :]) if is_cpu else keys.max(dim=-1)
         if best is None:
             best, best_ids = values, ids
         else:
@@ -106,3 +109,17 @@ def seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
             best = torch.where(is_better, values, best)
             best_ids = torch.where(is_better, ids + start, best_ids)
     return best_ids
+
+
+def _max_(keys: torch.Tensor, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keys.max(dim=-1)` for CPU float32 keys [R, W] (finite or -inf), clobbering `keys`: the
+    same values and tie rule (the first index of the maximum), ~4x cheaper at [64, 8192] because
+    every pass is a vectorised in-place op (max(dim)'s index reduction is not). `ranks` is
+    W, W - 1, ..., 1 (float32, exact below 2^24).
+    """
+    width = keys.shape[-1]
+    best = keys.amax(dim=-1, keepdim=True)  # [R, 1]
+    # 1.0 exactly where keys == best (finite a - b == 0 iff a == b); an all -inf row is NaN: 0.0
+    is_best = keys.sub_(best).ge_(0.0)
+    last = is_best.mul_(ranks).amax(dim=-1)  # W - first index of the maximum; 0 if none
+    return best.squeeze(1), (width - last.long()) % width

@@ -11,7 +11,7 @@ from ops.sampling import sample
 from ops.sampling_batch import SamplingBatch
 from ops.sampling_hash import U_MAX, U_MIN, finish_hash, neg_gumbel_from_hash, row_prefix_hash
 from ops.sampling_params import SamplingParams as SP
-from ops.sampling_plain import inverse_cdf_draw, seeded_draw
+from ops.sampling_plain import _max_, inverse_cdf_draw, seeded_draw
 from tests.test_sampler_distribution import chi_square_limit
 from tests.test_sampler_hash import reference_hash
 
@@ -148,3 +148,17 @@ def test_mixed_seeded_and_unseeded_plain_rows():
     expected = torch.softmax(logits.double() / 0.8, 0).numpy() * len(others)
     stat = float(((observed - expected) ** 2 / expected).sum())
     assert stat < chi_square_limit(vocab - 1), stat
+
+
+@pytest.mark.parametrize("width", [1, 7, 8192])
+def test_cpu_max_matches_torch_max_with_ties_and_masked_rows(width):
+    gen = torch.Generator().manual_seed(width)
+    keys = torch.randint(-3, 3, (9, width), generator=gen).float()  # many ties
+    keys[1] = float("-inf")  # no finite key
+    keys[2, ::2] = float("-inf")
+    keys[3, -1] = FLOAT_MAX
+    keys[4] = torch.randn(width, generator=gen) * 1e6
+    want = keys.max(dim=-1)
+    ranks = torch.arange(width, 0, -1, dtype=torch.float32)
+    values, ids = _max_(keys.clone(), ranks)
+    assert torch.equal(values, want.values) and torch.equal(ids, want.indices)
