@@ -90,11 +90,11 @@ def finish_words_(h: torch.Tensor, scratch: torch.Tensor | None = None) -> torch
 
     The hot loop of seeded full-vocabulary rows: every step runs in place on `h` plus `scratch`
     (int32, h's shape, clobbered), since allocating [R, W] temporaries cost as much as the
-    arithmetic (measured ~3x slower). The constants are 0-dim int32 tensors (`_K`): a Python int
-    costs each op a scalar-to-int32 conversion (~18 extra ops per call).
+    arithmetic (measured ~3x slower). On CPU the constants are 0-dim int32 tensors (`_K`): a
+    Python int costs each op a scalar-to-int32 conversion (~18 extra ops, ~20% of the hash).
     """
     t = torch.empty_like(h) if scratch is None else scratch
-    k = _K
+    k = _K if h.device.type == "cpu" else _K_INTS
     # rotl 13: the low bits first (a logical shift is an arithmetic one masked to 13 bits)
     low_bits = torch.bitwise_right_shift(h, k[19], out=t).bitwise_and_(k["m13"])
     h.bitwise_left_shift_(k[13]).bitwise_or_(low_bits)
@@ -106,13 +106,10 @@ def finish_words_(h: torch.Tensor, scratch: torch.Tensor | None = None) -> torch
     return h.bitwise_xor_(torch.bitwise_right_shift(h, k[16], out=t).bitwise_and_(k["m16"]))
 
 
-def _int32_constants() -> dict:
-    values = {13: 13, 16: 16, 19: 19, 5: 5, "n": _i32(_N), "f1": _i32(_F1), "f2": _i32(_F2)}
-    values.update({f"m{b}": (1 << b) - 1 for b in (13, 16, 19)})  # low-b-bit masks
-    return {key: torch.tensor(v, dtype=torch.int32) for key, v in values.items()}
-
-
-_K = _int32_constants()  # immutable 0-dim CPU constants (usable with tensors on any device)
+_K_INTS = {13: 13, 16: 16, 19: 19, 5: 5, "n": _i32(_N), "f1": _i32(_F1), "f2": _i32(_F2)}
+_K_INTS.update({f"m{b}": (1 << b) - 1 for b in (13, 16, 19)})  # low-b-bit masks
+# the same constants as immutable 0-dim int32 CPU tensors, for CPU hashing (devices keep ints)
+_K = {key: torch.tensor(value, dtype=torch.int32) for key, value in _K_INTS.items()}
 
 
 def murmur_hash32(seed, position, token_ids) -> torch.Tensor:

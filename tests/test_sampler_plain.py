@@ -162,3 +162,13 @@ def test_cpu_max_matches_torch_max_with_ties_and_masked_rows(width):
     ranks = torch.arange(width, 0, -1, dtype=torch.float32)
     values, ids = _max_(keys.clone(), ranks)
     assert torch.equal(values, want.values) and torch.equal(ids, want.indices)
+
+
+def test_hash_constants_as_ints_and_as_cpu_tensors_agree(monkeypatch):
+    """Devices hash with Python-int constants, CPU with 0-dim int32 tensors: same words."""
+    import ops.sampling_hash as sampling_hash
+
+    words = torch.randint(-(2**31), 2**31 - 1, (5, 300), dtype=torch.int32)
+    with_tensors = sampling_hash.finish_words_(words.clone())
+    monkeypatch.setattr(sampling_hash, "_K", sampling_hash._K_INTS)
+    assert torch.equal(sampling_hash.finish_words_(words.clone()), with_tensors)
