@@ -5,7 +5,7 @@ host when the batch was built:
   greedy     argmax of the edited logits; no randomness consumed.
   plain      temperature only, over the whole vocabulary (ops/sampling_plain.py): unseeded rows
              by inverse CDF (softmax, cumsum, one uniform per row); seeded rows by Gumbel-max,
-             argmax(scaled + g), hashing on CPU only the tokens that can still win.
+             argmax(scaled + g), every token hashed (on CPU in cache-sized column chunks).
   filtering  top-k / top-p / min-p on sorted probabilities, then Gumbel-max, argmax(scaled + g),
              over the survivors. When every filtering row has top_k <= 1024 only the [F, K] top
              candidates are sorted and drawn (bounded top-K); otherwise the full vocabulary.

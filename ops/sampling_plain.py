@@ -83,12 +83,12 @@ def seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
     """
     num_rows, vocab = rows.shape
     words = token_words(torch.arange(vocab, device=rows.device))  # [V]
-    width = vocab if rows.device.type != "cpu" else min(vocab, CHUNK_COLUMNS)
+    is_cpu = rows.device.type == "cpu"
+    width = min(vocab, CHUNK_COLUMNS) if is_cpu else vocab
     h = torch.empty(num_rows, width, dtype=torch.int32, device=rows.device)
     scratch, keys = torch.empty_like(h), torch.empty(h.shape, device=rows.device)
     best = best_ids = None
-    is_cpu = rows.device.type == "cpu"
-    ranks = torch.arange(width, 0, -1, dtype=torch.float32, device=rows.device)  # for _max_
+    ranks = torch.arange(width, 0, -1, dtype=torch.float32) if is_cpu else None  # for _max_
     for start in range(0, vocab, width):
         end = min(start + width, vocab)
         if end - start < width:  # the last, narrower chunk

@@ -19,12 +19,7 @@ PROMPTS = [[5, 6, 7], [100] * 11, [42], list(range(200, 219)), list(range(20, 51
 MAX_TOKENS = [24, 16, 20, 18, 28]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

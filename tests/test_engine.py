@@ -12,13 +12,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(20, 51)), [100] * 11, list(range(200, 219)), [42]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and far faster on a loaded 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from models.args import SLIDING_ATTENTION
+from models.layers import GatedMLP
 from ops.attention import KeyLayout
 from torch_runner.kv_cache import PagedKVPool
 
@@ -64,12 +66,8 @@ class StaticPagedView:
 
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
         b, h, _, d = k.shape  # [B, Hkv, 1, D]
-        pool_k, pool_v = self.pool.k[self.layer], self.pool.v[self.layer]  # [slots, Hkv, D]
-        pool_k.index_copy_(0, self.write_slots, k.reshape(b, h, d))
-        pool_v.index_copy_(0, self.write_slots, v.reshape(b, h, d))
-        s = self.gather_slots.shape[0] // b
-        keys = pool_k.index_select(0, self.gather_slots).view(b, s, h, d).transpose(1, 2)
-        values = pool_v.index_select(0, self.gather_slots).view(b, s, h, d).transpose(1, 2)
+        self.pool.write(self.layer, self.write_slots, k.reshape(b, h, d), v.reshape(b, h, d))
+        keys, values = self.pool.gather(self.layer, self.gather_slots, b)
         return keys, values, self.layout  # [B, Hkv, S, D]
 
 
@@ -107,13 +105,11 @@ def fill_inputs(group, block_size: int, num_rows: int, num_keys: int, scratch_sl
 
 def supports_graphs(model, args) -> bool:
     """Capturable: no sliding-window layers and no MoE (its routing reads counts on the host)."""
-    if any(t == "sliding_attention" for t in args.layer_types):
+    if SLIDING_ATTENTION in args.layer_types:
         return False
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         return False
-    from models.layers import GatedMLP
-
     return all(isinstance(getattr(layer, "mlp", None), GatedMLP) for layer in layers)
 
 

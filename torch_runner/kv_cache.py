@@ -158,6 +158,18 @@ class PagedKVPool:
     def num_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """Store new keys/values [T, Hkv, D] of `layer` at pool slots [T]."""
+        self.k[layer].index_copy_(0, slots, keys)
+        self.v[layer].index_copy_(0, slots, values)
+
+    def gather(self, layer: int, slots: torch.Tensor, num_rows: int):
+        """Keys and values of `layer` at slots [B * S] as [B, Hkv, S, D] (copies)."""
+        _, _, h, d = self.k.shape
+        keys = self.k[layer].index_select(0, slots).view(num_rows, -1, h, d).transpose(1, 2)
+        values = self.v[layer].index_select(0, slots).view(num_rows, -1, h, d).transpose(1, 2)
+        return keys, values
+
 
 class PagedStepMeta:
     """Slot indices of one forward over B rows, shared by every full-attention layer.
@@ -217,16 +229,14 @@ class PagedLayerView:
         v_new = v.transpose(1, 2).reshape(b * n, h, d)
         if not meta.is_dense:
             k_new, v_new = k_new[meta.write_rows], v_new[meta.write_rows]
-        pool_k, pool_v = self.pool.k[self.layer], self.pool.v[self.layer]  # [slots, Hkv, D]
-        pool_k.index_copy_(0, meta.write_slots, k_new)
-        pool_v.index_copy_(0, meta.write_slots, v_new)
+        self.pool.write(self.layer, meta.write_slots, k_new, v_new)
         s = meta.shape[2]
         if meta.first_slot is not None:
+            pool_k, pool_v = self.pool.k[self.layer], self.pool.v[self.layer]  # [slots, Hkv, D]
             keys = pool_k.narrow(0, meta.first_slot, s).view(b, s, h, d).transpose(1, 2)
             values = pool_v.narrow(0, meta.first_slot, s).view(b, s, h, d).transpose(1, 2)
             return keys, values, meta.layout  # [B, Hkv, S, D] views of the pool
-        keys = pool_k.index_select(0, meta.gather_slots).view(b, s, h, d).transpose(1, 2)
-        values = pool_v.index_select(0, meta.gather_slots).view(b, s, h, d).transpose(1, 2)
+        keys, values = self.pool.gather(self.layer, meta.gather_slots, b)
         return keys, values, meta.layout  # [B, Hkv, S, D]
 
 
