@@ -8,6 +8,8 @@ mixed once per row, so only the token word and the finaliser touch the [R, W] te
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -88,22 +90,46 @@ def finish_hash(
 def finish_words_(h: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """The hash from h = prefix ^ token word (int32, any shape), in place.
 
-    The hot loop of seeded full-vocabulary rows: every step runs in place on `h` plus `scratch`
-    (int32, h's shape, clobbered), since allocating [R, W] temporaries cost as much as the
-    arithmetic (measured ~3x slower). On CPU the constants are 0-dim int32 tensors (`_K`): a
-    Python int costs each op a scalar-to-int32 conversion (~18 extra ops, ~20% of the hash).
+    Every step runs in place on `h` plus `scratch` (int32, h's shape, clobbered), since
+    allocating [R, W] temporaries cost as much as the arithmetic (measured ~3x slower).
     """
     t = torch.empty_like(h) if scratch is None else scratch
     k = _K if h.device.type == "cpu" else _K_INTS
     # rotl 13: the low bits first (a logical shift is an arithmetic one masked to 13 bits)
     low_bits = torch.bitwise_right_shift(h, k[19], out=t).bitwise_and_(k["m13"])
     h.bitwise_left_shift_(k[13]).bitwise_or_(low_bits)
-    h.mul_(k[5]).add_(k["n"]).bitwise_xor_(k[16])  # 16 = bytes hashed
+    return finish_rotated_(h, t)
+
+
+def finish_rotated_(h: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """The hash from h = rotl13(prefix ^ token word), in place (see `finish_words_`).
+
+    The hot loop of seeded full-vocabulary rows. A rotation is a bit permutation, so
+    rotl13(prefix ^ word) == rotl13(prefix) ^ rotl13(word): callers with a per-vocabulary table
+    of rotated words (`rotated_token_words`) skip the four rotation passes per token. On CPU
+    the constants are 0-dim int32 tensors (`_K`): a Python int costs each op a scalar-to-int32
+    conversion (~18 extra ops, ~20% of the hash).
+    """
+    t = torch.empty_like(h) if scratch is None else scratch
+    k = _K if h.device.type == "cpu" else _K_INTS
+    torch.add(k["n"], h, alpha=5, out=h).bitwise_xor_(k[16])  # h * 5 + n, one pass; 16 bytes
     h.bitwise_xor_(torch.bitwise_right_shift(h, k[16], out=t).bitwise_and_(k["m16"]))
     h.mul_(k["f1"])
     h.bitwise_xor_(torch.bitwise_right_shift(h, k[13], out=t).bitwise_and_(k["m19"]))
     h.mul_(k["f2"])
     return h.bitwise_xor_(torch.bitwise_right_shift(h, k[16], out=t).bitwise_and_(k["m16"]))
+
+
+def rotl13(words: torch.Tensor) -> torch.Tensor:
+    """Rotate int32 words left by 13 bits (a new tensor)."""
+    return (words << 13) | _shr(words, 19)
+
+
+@functools.lru_cache(maxsize=8)
+def rotated_token_words(vocab: int, device: torch.device) -> torch.Tensor:
+    """rotl13(token word) of every id below `vocab` [V] int32: the token's share of the hash
+    up to the first multiply, the same for every seed and position (cached per vocabulary)."""
+    return rotl13(token_words(torch.arange(vocab, device=device)))
 
 
 _K_INTS = {13: 13, 16: 16, 19: 19, 5: 5, "n": _i32(_N), "f1": _i32(_F1), "f2": _i32(_F2)}
@@ -168,9 +194,14 @@ def neg_gumbel_from_hash(h: torch.Tensor, out: torch.Tensor | None = None) -> to
     float32(h & 0xFFFFFFFF) without an int64 buffer (1 pass instead of 3); the division by
     float32(0xFFFFFFFF) == 2^32 is an exact scaling.
     """
+    return log_uniform_from_hash(h, out).neg_().log_()
+
+
+def log_uniform_from_hash(h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """log(u) (float32) from hash words: -g = log(-log(u)); see `neg_gumbel_from_hash`."""
     u = torch.empty(h.shape, device=h.device) if out is None else out
     u.copy_(h.view(torch.uint32)).mul_(2.0**-32)
-    return neg_gumbel_(u.clamp_(U_MIN, U_MAX))
+    return u.clamp_(U_MIN, U_MAX).log_()
 
 
 def seeded_gumbel(

@@ -7,27 +7,37 @@ These rows pay for the full vocabulary every step, so each kind has its own chea
             (cumsum accumulates in double on CPU; a token's probability is off by at most ~2^-24
             of the row mass), reproducible under a fixed generator state. On devices, Gumbel-max.
   seeded    Gumbel-max with the contract's hash noise, argmax(scaled + g), every token hashed
-            (int32 words, in place); on CPU in cache-sized column chunks. Bit for bit the noise,
-            keys and token of the whole-row computation (ties to the lowest id, as `max(dim)`).
-            Pruning to the tokens that can still win (g < 16.64 by the clamp) was measured and
-            dropped: on real SmolLM2 logits at temperature 0.8, 7-11% of the vocabulary stays
-            within reach, and finding them (row max, compare, nonzero) cost as much as the
-            chunked hash of every token on 2 threads.
+            (int32 words, in place); on CPU in cache-sized column chunks, with the second log
+            of g = -log(-log(u)) taken only where a key can still win (a float's exponent and
+            mantissa bound log(e) within 0.06, so a row keeps one or two 64-column blocks).
+            Bit for bit the noise, keys and token of the whole-row computation (ties to the
+            lowest id, as `max(dim)`). Pruning by the noise clamp alone (g < 16.64) was
+            measured and dropped: 7-11% of the vocabulary stays within reach on real logits.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ops.sampling_hash import (
+    finish_rotated_,
     finish_words_,
+    log_uniform_from_hash,
     neg_gumbel_,
     neg_gumbel_from_hash,
+    rotated_token_words,
+    rotl13,
     row_prefix_hash,
     token_words,
 )
 
 CHUNK_COLUMNS = 8192  # CPU: [64, 8192] int32 = 2 MiB per buffer
+BLOCK = 64  # columns per block of the candidate search (`_chunk_best`)
+_LN2 = math.log(2.0)
+# max over m in [1, 2) of log2(m) - (m - 1), at m = 1 / ln2; times ln2: a key's bound width
+_CHORD = (math.log2(1 / _LN2) - (1 / _LN2 - 1)) * _LN2
 
 
 def draw_plain(rows: torch.Tensor, group, positions: torch.Tensor, generator) -> torch.Tensor:
@@ -75,51 +85,89 @@ def inverse_cdf_draw(rows: torch.Tensor, generator) -> torch.Tensor:
 
 
 def seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-    """argmax(rows + g) [R], g the hash noise of per-row `prefix` [R] and every token id.
+    """argmax(rows + g) [R], g the hash noise of per-row `prefix` [R] and every token id; ties
+    go to the lowest id.
 
-    On CPU in column chunks of CHUNK_COLUMNS, so the ~25 passes of hash, noise and keys run on
-    cache-resident buffers (measured 1.5-2x faster than whole rows at [64, 49152]); a later
-    chunk wins only with a strictly larger key, so ties still go to the lowest id.
+    Devices: one whole-row pass (hash, noise, keys, max). CPU: the hash and log(u) run in column
+    chunks of CHUNK_COLUMNS on cache-resident buffers (measured 1.5-2x faster than whole rows
+    at [64, 49152]), and the second log of the noise, -g = log(-log(u)), only where a key can
+    still be the row's largest (`block_bounds`, `best_in_blocks`): one log per token instead of
+    two.
     """
     num_rows, vocab = rows.shape
-    words = token_words(torch.arange(vocab, device=rows.device))  # [V]
-    is_cpu = rows.device.type == "cpu"
-    width = min(vocab, CHUNK_COLUMNS) if is_cpu else vocab
-    h = torch.empty(num_rows, width, dtype=torch.int32, device=rows.device)
-    scratch, keys = torch.empty_like(h), torch.empty(h.shape, device=rows.device)
-    best = best_ids = None
-    ranks = torch.arange(width, 0, -1, dtype=torch.float32) if is_cpu else None  # for _max_
+    if rows.device.type != "cpu":
+        words = token_words(torch.arange(vocab, device=rows.device))  # [V]
+        keys = torch.sub(rows, seeded_noise(prefix[:, None] ^ words))  # [R, V] scaled + g
+        return keys.max(dim=-1).indices
+    words = rotated_token_words(vocab, rows.device)  # [V]
+    rotated = rotl13(prefix)[:, None]  # [R, 1]: rotl13(prefix ^ word) = rotl13(p) ^ rotl13(w)
+    # chunks start on block boundaries: a whole number of blocks wide
+    width = min(vocab, max(BLOCK, CHUNK_COLUMNS // BLOCK * BLOCK))
+    h = torch.empty(num_rows, width, dtype=torch.int32)
+    scratch = torch.empty_like(h)
+    bound = torch.empty(num_rows, -(-width // BLOCK) * BLOCK)
+    log_u = torch.empty(num_rows, vocab)  # log(u) of every token: e = -log(u), -g = log(e)
+    blocks = torch.empty(num_rows, -(-vocab // BLOCK))  # per block, the largest key bound
     for start in range(0, vocab, width):
         end = min(start + width, vocab)
         if end - start < width:  # the last, narrower chunk
-            h, scratch, keys = (
-                h[:, : end - start],
-                scratch[:, : end - start],
-                keys[:, : end - start],
-            )
-            h, scratch, keys = h.contiguous(), scratch.contiguous(), keys.contiguous()
-        torch.bitwise_xor(prefix[:, None], words[start:end], out=h)
-        noise = neg_gumbel_from_hash(finish_words_(h, scratch), out=keys)
-        torch.sub(rows[:, start:end], noise, out=keys)  # [R, W] keys = scaled + g
-        values, ids = _max_(keys, ranks[-keys.shape[-1] :]) if is_cpu else keys.max(dim=-1)
-        if best is None:
-            best, best_ids = values, ids
-        else:
-            is_better = values > best
-            best = torch.where(is_better, values, best)
-            best_ids = torch.where(is_better, ids + start, best_ids)
-    return best_ids
+            h, scratch = h[:, : end - start].contiguous(), scratch[:, : end - start].contiguous()
+            bound = bound[:, : -(-(end - start) // BLOCK) * BLOCK].contiguous()
+        torch.bitwise_xor(rotated, words[start:end], out=h)
+        chunk_log_u = log_u[:, start:end]
+        log_uniform_from_hash(finish_rotated_(h, scratch), out=chunk_log_u)
+        block_bounds(rows[:, start:end], chunk_log_u, bound, blocks[:, start // BLOCK :])
+    return best_in_blocks(rows, log_u, blocks)
 
 
-def _max_(keys: torch.Tensor, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`keys.max(dim=-1)` for CPU float32 keys [R, W] (finite or -inf), clobbering `keys`: the
-    same values and tie rule (the first index of the maximum), ~4x cheaper at [64, 8192] because
-    every pass is a vectorised in-place op (max(dim)'s index reduction is not). `ranks` is
-    W, W - 1, ..., 1 (float32, exact below 2^24).
+def seeded_noise(h: torch.Tensor) -> torch.Tensor:
+    """-g (float32, a new tensor) from h = prefix ^ token word (int32, clobbered)."""
+    return neg_gumbel_from_hash(finish_words_(h))
+
+
+def block_bounds(x: torch.Tensor, log_u: torch.Tensor, bound: torch.Tensor, out: torch.Tensor):
+    """Upper bounds (up to one shared constant) of the keys x - log(-log(u)), per BLOCK columns.
+
+    x, log_u [R, W]; bound: float32 scratch [R, W rounded up to BLOCK]; writes the first
+    ceil(W / BLOCK) columns of `out` [R, >= W / BLOCK]. With e = -log(u) > 0 and b the bits of
+    e read as an int32, log2(e) lies in [b / 2^23 - 127, b / 2^23 - 127 + 0.0861] (the
+    mantissa's chord under log2), so a key lies in [ub - 0.0597, ub], ub = x - ln2 (b / 2^23 -
+    127). log(u) < 0 has the bits of e plus the sign bit, i.e. b - 2^31 as an int32: a constant
+    shift, so ub is computed from log(u)'s bits directly (float32 of them: <= 2^-16 rounding in
+    log2 units).
     """
-    width = keys.shape[-1]
-    best = keys.amax(dim=-1, keepdim=True)  # [R, 1]
-    # 1.0 exactly where keys == best (finite a - b == 0 iff a == b); an all -inf row is NaN: 0.0
-    is_best = keys.sub_(best).ge_(0.0)
-    last = is_best.mul_(ranks).amax(dim=-1)  # W - first index of the maximum; 0 if none
-    return best.squeeze(1), (width - last.long()) % width
+    num_rows, width = x.shape
+    ub = bound[:, :width]
+    ub.copy_(log_u.view(torch.int32))
+    torch.add(x, ub, alpha=-_LN2 * 2.0**-23, out=ub)  # ub minus a constant
+    bound[:, width:] = -torch.inf
+    num_blocks = bound.shape[1] // BLOCK
+    torch.amax(bound.view(num_rows, num_blocks, BLOCK), dim=-1, out=out[:, :num_blocks])
+
+
+def best_in_blocks(x: torch.Tensor, log_u: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The first column of each row's largest key x - log(-log(u)) [R], given `block_bounds`.
+
+    Every key is within 0.0597 below its bound, so the row's largest key is >= max(bound) -
+    0.0597 and only blocks whose bound reaches that (minus a rounding margin) can hold it, one
+    or two per row. Every column of those blocks gets its exact key by the very ops of the
+    dense path (neg, log, then x - log(e)), so the id and the tie rule (lowest id) are those of
+    `(x - log(-log(u))).max(dim=-1)`; a row with no finite key gives 0.
+    """
+    num_rows, vocab = x.shape
+    top = blocks.amax(dim=-1)  # [R]
+    # margin: float32 rounding of ub and of the key (a few ulps of |x| <= |top| + 100) and of
+    # the logs, with a 10x safety factor; rows with no finite key get no candidate
+    reach = top - (_CHORD + 1e-5 * (top.abs() + 100.0) + 1e-4)
+    reach = torch.where(torch.isfinite(top), reach, torch.inf)
+    row_ids, block_ids = (blocks >= reach[:, None]).nonzero(as_tuple=True)  # [K]
+    cols = block_ids[:, None] * BLOCK + torch.arange(BLOCK)  # [K, BLOCK]
+    cols = cols.clamp_(max=vocab - 1)  # the last block's padding repeats the last column
+    rows = row_ids[:, None]
+    keys = x[rows, cols] - log_u[rows, cols].neg_().log_()  # exact keys, [K, BLOCK]
+    values = torch.full((num_rows,), -torch.inf).scatter_reduce_(
+        0, row_ids, keys.amax(dim=-1), "amax"
+    )
+    cols = cols.masked_fill_(keys != values[row_ids, None], vocab).amin(dim=-1)  # [K]
+    first = torch.full((num_rows,), vocab).scatter_reduce_(0, row_ids, cols, "amin")
+    return first.masked_fill_(first == vocab, 0)

@@ -9,9 +9,18 @@ import torch
 
 from ops.sampling import sample
 from ops.sampling_batch import SamplingBatch
-from ops.sampling_hash import U_MAX, U_MIN, finish_hash, neg_gumbel_from_hash, row_prefix_hash
+from ops.sampling_hash import (
+    U_MAX,
+    U_MIN,
+    finish_hash,
+    finish_rotated_,
+    neg_gumbel_from_hash,
+    rotated_token_words,
+    rotl13,
+    row_prefix_hash,
+)
 from ops.sampling_params import SamplingParams as SP
-from ops.sampling_plain import _max_, inverse_cdf_draw, seeded_draw
+from ops.sampling_plain import BLOCK, best_in_blocks, block_bounds, inverse_cdf_draw, seeded_draw
 from tests.test_sampler_distribution import chi_square_limit
 from tests.test_sampler_hash import reference_hash
 
@@ -67,7 +76,7 @@ def mixed_rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
     return rows
 
 
-@pytest.mark.parametrize("vocab, chunk", [(300, 8192), (4099, 8192), (4099, 1000)])
+@pytest.mark.parametrize("vocab, chunk", [(300, 8192), (4099, 8192), (4099, 1000), (49152, 8192)])
 def test_chunked_seeded_draw_is_the_whole_row_argmax(vocab, chunk, monkeypatch):
     monkeypatch.setattr("ops.sampling_plain.CHUNK_COLUMNS", chunk)  # 1000: 4 chunks + 99
     rows = mixed_rows(12, vocab, seed=vocab)
@@ -150,18 +159,34 @@ def test_mixed_seeded_and_unseeded_plain_rows():
     assert stat < chi_square_limit(vocab - 1), stat
 
 
-@pytest.mark.parametrize("width", [1, 7, 8192])
-def test_cpu_max_matches_torch_max_with_ties_and_masked_rows(width):
+@pytest.mark.parametrize("width", [1, 7, 64, 8192])
+def test_block_search_is_the_dense_max_with_ties_and_masked_rows(width):
+    """Second log only near the top: the same first ids as the dense keys' max(dim), for tied
+    keys, masked and all -inf rows, huge and tiny magnitudes."""
     gen = torch.Generator().manual_seed(width)
-    keys = torch.randint(-3, 3, (9, width), generator=gen).float()  # many ties
-    keys[1] = float("-inf")  # no finite key
-    keys[2, ::2] = float("-inf")
-    keys[3, -1] = FLOAT_MAX
-    keys[4] = torch.randn(width, generator=gen) * 1e6
-    want = keys.max(dim=-1)
-    ranks = torch.arange(width, 0, -1, dtype=torch.float32)
-    values, ids = _max_(keys.clone(), ranks)
-    assert torch.equal(values, want.values) and torch.equal(ids, want.indices)
+    u = torch.rand(10, width, generator=gen).clamp_(U_MIN, U_MAX)
+    u[:, ::5] = U_MAX  # the largest noise, often, so keys tie across columns
+    log_u = u.log()
+    x = torch.randint(-3, 3, (10, width), generator=gen).float()  # many equal logits
+    x[1] = float("-inf")  # no finite key
+    x[2, ::2] = float("-inf")
+    x[3, -1] = FLOAT_MAX
+    x[4] = torch.randn(width, generator=gen) * 1e6
+    x[5] = torch.randn(width, generator=gen) * 1e-3 + 1e6  # ulp(1e6) = 1/16: ties by rounding
+    x[6] = -1e30
+    want = (x - log_u.neg().log()).max(dim=-1).indices
+    num_blocks = -(-width // BLOCK)
+    blocks = torch.empty(10, num_blocks)
+    block_bounds(x, log_u, torch.empty(10, num_blocks * BLOCK), blocks)
+    assert torch.equal(best_in_blocks(x, log_u, blocks), want)
+
+
+def test_rotated_words_route_is_the_plain_hash():
+    """rotl13(prefix) ^ rotl13(word) then `finish_rotated_` == `finish_hash` (rotation is a bit
+    permutation, so it distributes over xor)."""
+    prefix = row_prefix_hash(torch.tensor([0, 1, 2**63 - 1]), torch.tensor([0, 7, 2**31 - 1]))
+    h = rotl13(prefix)[:, None] ^ rotated_token_words(5000, torch.device("cpu"))
+    assert torch.equal(finish_rotated_(h), finish_hash(prefix, torch.arange(5000)))
 
 
 def test_hash_constants_as_ints_and_as_cpu_tensors_agree(monkeypatch):
