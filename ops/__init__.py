@@ -10,7 +10,7 @@ module itself with `from ops.attention import ...` or `importlib.import_module("
 
 from ops.attention import KeyLayout
 from ops.linear import can_pack, linear, pack_weight
-from ops.registry import OPS, backends, configure, make_dispatcher
+from ops.registry import OPS, backends, configure, impl, make_dispatcher
 from ops.rope import rope_cos_sin, rope_init
 
 attention = make_dispatcher("attention")
@@ -34,6 +34,7 @@ __all__ = [
     "can_pack",
     "configure",
     "dit_rope",
+    "impl",
     "layer_norm",
     "linear",
     "moe_gpt_oss",

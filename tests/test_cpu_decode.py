@@ -1,0 +1,90 @@
+"""The flat CPU decode forward (torch_runner/cpu_decode.py).
+
+Oracles: the module path on the same pool state (bit for bit: the same ops on the same values)
+and transformers' greedy tokens, over a staggered run of mixed lengths (batched masks, rows
+joining mid-flight), with packed and dense matmul weights.
+"""
+
+import pytest
+import torch
+from engine_helpers import save_engine_checkpoint
+
+from torch_runner import Engine, SamplingParams
+from torch_runner.cpu_decode import supports_fast_decode
+
+PROMPTS = [[5, 6, 7], [100] * 11, [42], list(range(200, 219))]
+MAX_TOKENS = [12, 9, 14, 10]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path, hf = save_engine_checkpoint(
+        "llama", tmp_path_factory.mktemp("llama"), initializer_range=0.5
+    )
+    return str(path), hf
+
+
+def _engine(path, **kwargs):
+    return Engine(path, device="cpu", dtype="float32", max_total_tokens=512, block_size=4,
+                  chunked_prefill_size=8, max_num_seqs=8, **kwargs)  # fmt: skip
+
+
+def _run(engine):
+    """Greedy outputs of PROMPTS; the last two arrive while the first two decode."""
+    rids, final, step = [], {}, 0
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in MAX_TOKENS]
+    while len(rids) < len(PROMPTS) or engine.has_unfinished():
+        if len(rids) < len(PROMPTS) and (len(rids) < 2 or step in (3, 6)):
+            rids.append(engine.add_request(None, PROMPTS[len(rids)], params[len(rids)]))
+            continue
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+        step += 1
+    return [final[r] for r in rids]
+
+
+@pytest.mark.parametrize("packing", ["auto", "off"])
+def test_fast_decode_is_the_module_path_bit_for_bit(llama, packing):
+    path, _ = llama
+    engine = _engine(path, weight_packing=packing)
+    runner = engine.runner
+    assert runner.fast_decode
+    forward = runner._forward_group
+    sizes = set()
+
+    def both(group):
+        if any(c.num_tokens != 1 for c in group):
+            return forward(group)
+        runner.fast_decode = False
+        want = forward(group)  # writes this step's K/V; the fast pass rewrites the same values
+        runner.fast_decode = True
+        got = forward(group)
+        assert torch.equal(got, want)
+        sizes.add(len(group))
+        return got
+
+    runner._forward_group = both
+    _run(engine)
+    assert {1, 2, 3, 4} <= sizes  # batched rows of different lengths (masks) were covered
+
+
+def test_fast_decode_greedy_tokens_equal_transformers(llama):
+    path, hf = llama
+    engine = _engine(path)
+    assert engine.runner.fast_decode
+    for prompt, tokens, m in zip(PROMPTS, _run(engine), MAX_TOKENS):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=m, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+        assert tokens == want, prompt
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral", "gpt_oss", "qwen3_moe"])
+def test_other_layer_kinds_keep_the_module_path(model_type, tmp_path):
+    """q/k norm, sliding windows, sinks and MoE blocks are not in the flat loop."""
+    path, _ = save_engine_checkpoint(model_type, tmp_path)
+    runner = _engine(str(path)).runner
+    assert not runner.fast_decode
+    assert not supports_fast_decode(runner.model, runner.args)
