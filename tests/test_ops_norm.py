@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 
 from ops.norm import layer_norm, rms_norm
@@ -66,3 +67,18 @@ def test_norms_reject_a_weight_of_the_wrong_size():
         rms_norm(x, torch.ones(95), 1e-6)
     with pytest.raises(ValueError, match=r"layer_norm: bias must be \[96\]"):
         layer_norm(x, None, torch.ones(3), 1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (64, 1, 576), (3, 17, 96), (2, 4096), (5, 1, 2880)])
+def test_fp32_cpu_rms_norm_is_llama_rmsnorm_bit_for_bit(shape):
+    """The CPU fp32 path (its own six ops) against transformers' LlamaRMSNorm and F.rms_norm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1])) * 3
+    module = LlamaRMSNorm(shape[-1], eps=1e-5)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(shape[-1]) + 0.5)
+    weight = module.weight.detach()
+    assert torch.equal(rms_norm(x, weight, 1e-5), module(x).detach())
+    assert torch.equal(rms_norm(x, weight, 1e-5), F.rms_norm(x, shape[-1:], weight, 1e-5))
+    assert torch.equal(rms_norm(x, None, 1e-6), F.rms_norm(x, shape[-1:], None, 1e-6))
