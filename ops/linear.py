@@ -50,3 +50,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def linear_add(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """`linear(x, weight, bias) + residual` (same shape as the output). A packed weight adds the
+    residual inside the matmul (oneDNN binary post-op, bit-identical: the fp32 result is
+    rounded once either way), which saves a pass and a kernel call per residual branch."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+    return F.linear(x, weight, bias).add_(residual)

@@ -117,3 +117,17 @@ def test_unpackable_dtype_stays_dense(checkpoint):
 def test_weight_packing_rejects_unknown_value():
     with pytest.raises(ValueError, match="weight_packing='onednn'.*auto, off"):
         Engine(None, device="cpu", weight_packing="onednn")
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_linear_add_is_linear_plus_residual_bit_for_bit(rows):
+    """The packed path adds the residual inside the matmul (oneDNN post-op): same bits."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 160, generator=gen), torch.randn(96, generator=gen)
+    x, residual = torch.randn(rows, 160, generator=gen), torch.randn(rows, 96, generator=gen)
+    want = F.linear(x, weight, bias) + residual
+    assert torch.equal(ops.linear_add(x, weight, bias, residual), want)
+    if ops.can_pack(torch.float32):
+        packed = ops.pack_weight(weight)
+        want = ops.linear(x, packed, bias) + residual
+        assert torch.equal(ops.linear_add(x, packed, bias, residual), want)

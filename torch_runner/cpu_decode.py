@@ -47,7 +47,7 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, cach
     paged view per layer (`update_and_fetch` as in the module path)."""
     decoder = model.model
     rms_norm, attention = ops.impl("rms_norm"), ops.impl("attention")
-    linear = ops.linear
+    linear, linear_add = ops.linear, ops.linear_add
     b = input_ids.shape[0]
     h = decoder.embed_tokens(input_ids.view(b))  # [B, H]
     rope = decoder.rotary.at(positions, h.dtype)
@@ -62,9 +62,9 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, cach
         q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, 1, D]
         out = attention(q, keys, values, positions, layout, sm_scale=attn.scale)
         out = out.transpose(1, 2).reshape(b, hq * d)
-        h = linear(out, attn.o_proj.weight, attn.o_proj.bias).add_(h)
+        h = linear_add(out, attn.o_proj.weight, attn.o_proj.bias, h)
         x = rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         gate, up = linear(x, mlp.gate_up_weight, mlp.gate_up_bias).chunk(2, dim=-1)
         down = mlp.down_proj
-        h = linear(mlp.act(gate).mul_(up), down.weight, down.bias).add_(h)
+        h = linear_add(mlp.act(gate).mul_(up), down.weight, down.bias, h)
     return rms_norm(h, decoder.norm.weight, decoder.norm.eps).view(b, 1, -1)

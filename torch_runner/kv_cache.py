@@ -145,6 +145,7 @@ class PagedKVPool:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.k[:, self.pad_slot].zero_()
         self.v[:, self.pad_slot].zero_()
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # per-layer views
 
     @staticmethod
     def bytes_per_token(
@@ -160,14 +161,16 @@ class PagedKVPool:
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """Store new keys/values [T, Hkv, D] of `layer` at pool slots [T]."""
-        self.k[layer].index_copy_(0, slots, keys)
-        self.v[layer].index_copy_(0, slots, values)
+        self.k_layers[layer].index_copy_(0, slots, keys)
+        self.v_layers[layer].index_copy_(0, slots, values)
 
     def gather(self, layer: int, slots: torch.Tensor, num_rows: int):
         """Keys and values of `layer` at slots [B * S] as [B, Hkv, S, D] (copies)."""
         _, _, h, d = self.k.shape
-        keys = self.k[layer].index_select(0, slots).view(num_rows, -1, h, d).transpose(1, 2)
-        values = self.v[layer].index_select(0, slots).view(num_rows, -1, h, d).transpose(1, 2)
+        keys = self.k_layers[layer].index_select(0, slots).view(num_rows, -1, h, d).transpose(1, 2)
+        values = (
+            self.v_layers[layer].index_select(0, slots).view(num_rows, -1, h, d).transpose(1, 2)
+        )
         return keys, values
 
 
@@ -232,7 +235,7 @@ class PagedLayerView:
         self.pool.write(self.layer, meta.write_slots, k_new, v_new)
         s = meta.shape[2]
         if meta.first_slot is not None:
-            pool_k, pool_v = self.pool.k[self.layer], self.pool.v[self.layer]  # [slots, Hkv, D]
+            pool_k, pool_v = self.pool.k_layers[self.layer], self.pool.v_layers[self.layer]
             keys = pool_k.narrow(0, meta.first_slot, s).view(b, s, h, d).transpose(1, 2)
             values = pool_v.narrow(0, meta.first_slot, s).view(b, s, h, d).transpose(1, 2)
             return keys, values, meta.layout  # [B, Hkv, S, D] views of the pool
