@@ -19,7 +19,7 @@ import torch
 import ops
 from models.layers import pack_linear_weights
 from ops.sampling_batch import SamplingBatch
-from torch_runner.cpu_decode import decode_forward, supports_fast_decode
+from torch_runner.cpu_decode import FlatDecoder, supports_fast_decode
 from torch_runner.cuda_graphs import DecodeGraphs
 from torch_runner.kv_cache import (
     CacheLayout,
@@ -124,7 +124,9 @@ class ModelRunner:
             self.model, self.args, self.pool, self.full_layers, config, device
         )
         # CPU decode steps skip module dispatch (cpu_decode.py); the same ops and values
-        self.fast_decode = device.type == "cpu" and supports_fast_decode(self.model, self.args)
+        self.fast_decode = None
+        if device.type == "cpu" and supports_fast_decode(self.model, self.args):
+            self.fast_decode = FlatDecoder(self.model)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.random_seed)
 
@@ -197,8 +199,8 @@ class ModelRunner:
             layouts: dict = {}
             for j, layer in enumerate(self.swa_layers):
                 caches[layer] = WindowedBatchView([row[j] for row in per_row], num_new, layouts)
-        if self.fast_decode and n == 1:
-            return decode_forward(self.model, input_ids, positions, caches)
+        if self.fast_decode is not None and n == 1:
+            return self.fast_decode(input_ids, positions, caches)
         return self.model(input_ids, positions, caches)
 
     @torch.inference_mode()
