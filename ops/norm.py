@@ -30,6 +30,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     x [..., H]; weight [H] or None (no scale).
     """
     check_norm_shapes("rms_norm", x, weight)
+    return rms_norm_unchecked(x, weight, eps)
+
+
+def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`rms_norm` without the shape check, for loops that checked their weights once."""
     is_fp32 = x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32)
     if is_fp32 and x.device.type == "cpu":
         return _rms_norm_cpu(x, weight, eps)
