@@ -194,14 +194,14 @@ def neg_gumbel_from_hash(h: torch.Tensor, out: torch.Tensor | None = None) -> to
     float32(h & 0xFFFFFFFF) without an int64 buffer (1 pass instead of 3); the division by
     float32(0xFFFFFFFF) == 2^32 is an exact scaling.
     """
-    return log_uniform_from_hash(h, out).neg_().log_()
+    return neg_gumbel_(uniform_from_hash(h, out))
 
 
-def log_uniform_from_hash(h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """log(u) (float32) from hash words: -g = log(-log(u)); see `neg_gumbel_from_hash`."""
+def uniform_from_hash(h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """u (float32, clamped to [U_MIN, U_MAX]) from hash words; see `neg_gumbel_from_hash`."""
     u = torch.empty(h.shape, device=h.device) if out is None else out
     u.copy_(h.view(torch.uint32)).mul_(2.0**-32)
-    return u.clamp_(U_MIN, U_MAX).log_()
+    return u.clamp_(U_MIN, U_MAX)
 
 
 def seeded_gumbel(

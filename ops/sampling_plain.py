@@ -7,12 +7,13 @@ These rows pay for the full vocabulary every step, so each kind has its own chea
             (cumsum accumulates in double on CPU; a token's probability is off by at most ~2^-24
             of the row mass), reproducible under a fixed generator state. On devices, Gumbel-max.
   seeded    Gumbel-max with the contract's hash noise, argmax(scaled + g), every token hashed
-            (int32 words, in place); on CPU in cache-sized column chunks, with the second log
-            of g = -log(-log(u)) taken only where a key can still win (a float's exponent and
-            mantissa bound log(e) within 0.06, so a row keeps one or two 64-column blocks).
-            Bit for bit the noise, keys and token of the whole-row computation (ties to the
-            lowest id, as `max(dim)`). Pruning by the noise clamp alone (g < 16.64) was
-            measured and dropped: 7-11% of the vocabulary stays within reach on real logits.
+            (int32 words, in place); on CPU in cache-sized column chunks, and the two logs of
+            g = -log(-log(u)) taken only where a key can still win: key <= x - log(1 - u),
+            which the float bits of 1 - u bound from above in three cheap passes, so a row
+            keeps one or two 64-column blocks for exact keys. Bit for bit the noise, keys and
+            token of the whole-row computation (ties to the lowest id, as `max(dim)`). Pruning
+            by the noise clamp alone (g < 16.64) was measured and dropped: 7-11% of the
+            vocabulary stays within reach on real logits.
 """
 
 from __future__ import annotations
@@ -24,20 +25,20 @@ import torch
 from ops.sampling_hash import (
     finish_rotated_,
     finish_words_,
-    log_uniform_from_hash,
     neg_gumbel_,
     neg_gumbel_from_hash,
     rotated_token_words,
     rotl13,
     row_prefix_hash,
     token_words,
+    uniform_from_hash,
 )
 
 CHUNK_COLUMNS = 8192  # CPU: [64, 8192] int32 = 2 MiB per buffer
 BLOCK = 64  # columns per block of the candidate search (`_chunk_best`)
 _LN2 = math.log(2.0)
-# max over m in [1, 2) of log2(m) - (m - 1), at m = 1 / ln2; times ln2: a key's bound width
-_CHORD = (math.log2(1 / _LN2) - (1 / _LN2 - 1)) * _LN2
+_BIAS_LN2 = 127 * _LN2  # the float exponent bias, in nats
+_ONE = torch.tensor(1.0)  # 0-dim: `1 - u` as one pass with out=
 
 
 def draw_plain(rows: torch.Tensor, group, positions: torch.Tensor, generator) -> torch.Tensor:
@@ -88,11 +89,10 @@ def seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
     """argmax(rows + g) [R], g the hash noise of per-row `prefix` [R] and every token id; ties
     go to the lowest id.
 
-    Devices: one whole-row pass (hash, noise, keys, max). CPU: the hash and log(u) run in column
-    chunks of CHUNK_COLUMNS on cache-resident buffers (measured 1.5-2x faster than whole rows
-    at [64, 49152]), and the second log of the noise, -g = log(-log(u)), only where a key can
-    still be the row's largest (`block_bounds`, `best_in_blocks`): one log per token instead of
-    two.
+    Devices: one whole-row pass (hash, noise, keys, max). CPU: the hash and the uniforms run in
+    column chunks of CHUNK_COLUMNS on cache-resident buffers (measured 1.5-2x faster than whole
+    rows at [64, 49152]), and the two logs of the noise, g = -log(-log(u)), only where a key
+    can still be the row's largest (`block_bounds`, `best_in_blocks`).
     """
     num_rows, vocab = rows.shape
     if rows.device.type != "cpu":
@@ -106,7 +106,7 @@ def seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
     h = torch.empty(num_rows, width, dtype=torch.int32)
     scratch = torch.empty_like(h)
     bound = torch.empty(num_rows, -(-width // BLOCK) * BLOCK)
-    log_u = torch.empty(num_rows, vocab)  # log(u) of every token: e = -log(u), -g = log(e)
+    u = torch.empty(num_rows, vocab)  # every token's (clamped) uniform
     blocks = torch.empty(num_rows, -(-vocab // BLOCK))  # per block, the largest key bound
     for start in range(0, vocab, width):
         end = min(start + width, vocab)
@@ -114,10 +114,10 @@ def seeded_draw(rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
             h, scratch = h[:, : end - start].contiguous(), scratch[:, : end - start].contiguous()
             bound = bound[:, : -(-(end - start) // BLOCK) * BLOCK].contiguous()
         torch.bitwise_xor(rotated, words[start:end], out=h)
-        chunk_log_u = log_u[:, start:end]
-        log_uniform_from_hash(finish_rotated_(h, scratch), out=chunk_log_u)
-        block_bounds(rows[:, start:end], chunk_log_u, bound, blocks[:, start // BLOCK :])
-    return best_in_blocks(rows, log_u, blocks)
+        chunk_u = u[:, start:end]
+        uniform_from_hash(finish_rotated_(h, scratch), out=chunk_u)
+        block_bounds(rows[:, start:end], chunk_u, h, bound, blocks[:, start // BLOCK :])
+    return best_in_blocks(rows, u, blocks)
 
 
 def seeded_noise(h: torch.Tensor) -> torch.Tensor:
@@ -125,49 +125,55 @@ def seeded_noise(h: torch.Tensor) -> torch.Tensor:
     return neg_gumbel_from_hash(finish_words_(h))
 
 
-def block_bounds(x: torch.Tensor, log_u: torch.Tensor, bound: torch.Tensor, out: torch.Tensor):
+def block_bounds(x, u, scratch: torch.Tensor, bound: torch.Tensor, out: torch.Tensor) -> None:
     """Upper bounds (up to one shared constant) of the keys x - log(-log(u)), per BLOCK columns.
 
-    x, log_u [R, W]; bound: float32 scratch [R, W rounded up to BLOCK]; writes the first
-    ceil(W / BLOCK) columns of `out` [R, >= W / BLOCK]. With e = -log(u) > 0 and b the bits of
-    e read as an int32, log2(e) lies in [b / 2^23 - 127, b / 2^23 - 127 + 0.0861] (the
-    mantissa's chord under log2), so a key lies in [ub - 0.0597, ub], ub = x - ln2 (b / 2^23 -
-    127). log(u) < 0 has the bits of e plus the sign bit, i.e. b - 2^31 as an int32: a constant
-    shift, so ub is computed from log(u)'s bits directly (float32 of them: <= 2^-16 rounding in
-    log2 units).
+    x, u [R, W]; scratch: int32 [R, W] (clobbered); bound: float32 scratch [R, W rounded up to
+    BLOCK]; writes the first ceil(W / BLOCK) columns of `out` [R, >= W / BLOCK]. -log(u) >=
+    1 - u, so a key is <= x - log(1 - u); with b the bits of 1 - u (in [2^-24, 1): a normal
+    float) read as an int32, log2(1 - u) >= b / 2^23 - 127 (the mantissa's chord lies under
+    log2), so key <= ub = x - ln2 (b / 2^23 - 127). Two logs per token become three cheap
+    passes; the bound is within ~0.06 of the key where it matters (u near 1: large noise).
     """
     num_rows, width = x.shape
+    torch.sub(_ONE, u, out=scratch.view(torch.float32))  # 1 - u, into scratch's memory
     ub = bound[:, :width]
-    ub.copy_(log_u.view(torch.int32))
-    torch.add(x, ub, alpha=-_LN2 * 2.0**-23, out=ub)  # ub minus a constant
+    ub.copy_(scratch)  # float(b): rounding <= 2^-17 in log2 units
+    torch.add(x, ub, alpha=-_LN2 * 2.0**-23, out=ub)  # ub - 127 ln2 (best_in_blocks adds it)
     bound[:, width:] = -torch.inf
     num_blocks = bound.shape[1] // BLOCK
     torch.amax(bound.view(num_rows, num_blocks, BLOCK), dim=-1, out=out[:, :num_blocks])
 
 
-def best_in_blocks(x: torch.Tensor, log_u: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def best_in_blocks(x: torch.Tensor, u: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """The first column of each row's largest key x - log(-log(u)) [R], given `block_bounds`.
 
-    Every key is within 0.0597 below its bound, so the row's largest key is >= max(bound) -
-    0.0597 and only blocks whose bound reaches that (minus a rounding margin) can hold it, one
-    or two per row. Every column of those blocks gets its exact key by the very ops of the
-    dense path (neg, log, then x - log(e)), so the id and the tie rule (lowest id) are those of
-    `(x - log(-log(u))).max(dim=-1)`; a row with no finite key gives 0.
+    The exact keys of each row's block with the largest bound give a floor: the row's largest
+    key is at least their maximum, so only blocks whose bound reaches the floor (minus a
+    rounding margin) can hold it, one or two per row. Every column of those blocks gets its
+    exact key by the very ops of the dense path (log, neg, log, then x - that), so the id and
+    the tie rule (lowest id) are those of `(x - log(-log(u))).max(dim=-1)`; a row with no
+    finite key gives 0.
     """
     num_rows, vocab = x.shape
-    top = blocks.amax(dim=-1)  # [R]
-    # margin: float32 rounding of ub and of the key (a few ulps of |x| <= |top| + 100) and of
-    # the logs, with a 10x safety factor; rows with no finite key get no candidate
-    reach = top - (_CHORD + 1e-5 * (top.abs() + 100.0) + 1e-4)
-    reach = torch.where(torch.isfinite(top), reach, torch.inf)
+    span = torch.arange(BLOCK)
+    first_cols = (blocks.argmax(dim=-1)[:, None] * BLOCK + span).clamp_(max=vocab - 1)
+    floor = _exact_keys(x, u, torch.arange(num_rows)[:, None], first_cols).amax(dim=-1)  # [R]
+    # margin: float32 rounding of ub and of the keys (a few ulps of |x| <= |floor| + 100) and
+    # of the logs, with a 10x safety factor; rows with no finite key get no candidate
+    reach = floor - (_BIAS_LN2 + 1e-5 * (floor.abs() + 100.0) + 1e-4)  # bounds lack 127 ln2
+    reach = torch.where(torch.isfinite(floor), reach, torch.inf)
     row_ids, block_ids = (blocks >= reach[:, None]).nonzero(as_tuple=True)  # [K]
-    cols = block_ids[:, None] * BLOCK + torch.arange(BLOCK)  # [K, BLOCK]
-    cols = cols.clamp_(max=vocab - 1)  # the last block's padding repeats the last column
-    rows = row_ids[:, None]
-    keys = x[rows, cols] - log_u[rows, cols].neg_().log_()  # exact keys, [K, BLOCK]
+    cols = (block_ids[:, None] * BLOCK + span).clamp_(max=vocab - 1)  # [K, BLOCK]
+    keys = _exact_keys(x, u, row_ids[:, None], cols)  # the last block's padding repeats a column
     values = torch.full((num_rows,), -torch.inf).scatter_reduce_(
         0, row_ids, keys.amax(dim=-1), "amax"
     )
     cols = cols.masked_fill_(keys != values[row_ids, None], vocab).amin(dim=-1)  # [K]
     first = torch.full((num_rows,), vocab).scatter_reduce_(0, row_ids, cols, "amin")
     return first.masked_fill_(first == vocab, 0)
+
+
+def _exact_keys(x, u, rows, cols) -> torch.Tensor:
+    """x + g at (rows, cols), g from the gathered uniforms by the dense path's ops."""
+    return x[rows, cols] - neg_gumbel_(u[rows, cols])
