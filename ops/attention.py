@@ -184,7 +184,7 @@ def attention(
     """
     check_attention_args(q, k, v, q_positions, layout, window, sinks)
     n, num_keys = q.shape[2], k.shape[2]
-    is_cpu_flash = q.device.type == "cpu" and _CPU_FLASH is not None
+    is_cpu_flash = q.device.type == "cpu" and CPU_FLASH is not None
     mask_dtype = q.dtype if is_cpu_flash else None  # the CPU kernel takes additive masks only
     is_causal = False
     if layout is None:
@@ -206,7 +206,7 @@ def attention(
 
 def _sdpa(q, k, v, mask, is_causal, sm_scale, sinks, is_cpu_flash):
     if is_cpu_flash:
-        out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=sm_scale)[:2]
+        out, lse = CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=sm_scale)[:2]
         if sinks is None:
             return out
         # softmax with one more logit s: p_j' = p_j * S / (S + e^s) = p_j * sigmoid(lse - s)
@@ -260,7 +260,8 @@ def _band_mask(nb: int, window: int, past: int, device, dtype) -> torch.Tensor:
     return allowed if dtype is None else additive(allowed, dtype)
 
 
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# aten's fused CPU kernel (what SDPA dispatches to on CPU); returns (out, lse, ...)
+CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _attention_with_sinks(q, k, v, mask, is_causal, sm_scale, sinks, is_gqa):

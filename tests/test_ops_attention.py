@@ -188,7 +188,7 @@ def test_bad_window_and_sinks_name_the_field():
 @pytest.mark.parametrize("prefix", [0, 11])
 def test_portable_sdpa_path_matches_brute_force(monkeypatch, window, has_sinks, prefix):
     # MPS/CUDA have no CPU flash kernel: the portable path (SDPA, sinks as a key column) runs
-    monkeypatch.setattr(attention_module, "_CPU_FLASH", None)
+    monkeypatch.setattr(attention_module, "CPU_FLASH", None)
     n = 13
     q, k, v, sinks = _qkv(2, 8, 2, n, prefix + n, seed=5)
     sinks = sinks if has_sinks else None
@@ -218,7 +218,7 @@ def test_long_windowed_chunk_blocked_by_window_matches_brute_force(
 ):
     # N >= 2W and S >= 4W: the op scores blocks of W queries against 2W keys instead of N x S
     if not is_cpu_flash:
-        monkeypatch.setattr(attention_module, "_CPU_FLASH", None)
+        monkeypatch.setattr(attention_module, "CPU_FLASH", None)
     n, window = 45, 6
     q, k, v, sinks = _qkv(2, 8, 2, n, prefix + n, seed=prefix)
     q_positions = torch.arange(prefix, prefix + n).expand(2, n)

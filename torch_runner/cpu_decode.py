@@ -20,6 +20,7 @@ import torch
 import ops
 from models.args import SLIDING_ATTENTION
 from models.layers import Attention, DecoderLayer, GatedMLP
+from ops.attention import CPU_FLASH
 from ops.norm import rms_norm_unchecked
 
 
@@ -59,11 +60,14 @@ class FlatDecoder:
         # the torch norm without its per-call shape check (the weights are [H] by construction)
         is_torch_norm = ops.backends()["rms_norm"] == "torch"
         self.rms_norm = rms_norm_unchecked if is_torch_norm else ops.rms_norm
+        # a decode row over its whole contiguous history needs no mask: the fused CPU kernel
+        # straight away, as ops.attention itself ends up calling it (same call, same bits)
+        self.flash = CPU_FLASH if ops.backends()["attention"] == "torch" else None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
         """Hidden [B, 1, H] for one token per row: input_ids, positions [B, 1] int64; caches:
-        one PagedLayerView per layer (the pool slots of this step)."""
-        rms_norm, attention = self.rms_norm, ops.impl("attention")
+        one PagedLayerView per layer (the pool slots of this step; `store_and_fetch`)."""
+        rms_norm, attention, flash = self.rms_norm, ops.impl("attention"), self.flash
         linear, linear_add = ops.linear, ops.linear_add
         b = input_ids.shape[0]
         h = self.embed(input_ids.view(b))  # [B, H]
@@ -74,10 +78,13 @@ class FlatDecoder:
             x = rms_norm(h, ln1, eps1)
             qkv = linear(x, qkv_w, qkv_b).view(b, 1, hq + 2 * hkv, d)
             qk = rope(qkv[:, :, : hq + hkv])  # [B, 1, Hq + Hkv, D]
-            k, v = qk[:, :, hq:].transpose(1, 2), qkv[:, :, hq + hkv :].transpose(1, 2)
-            keys, values, layout = cache.update_and_fetch(k, v)  # [B, Hkv, S, D]
+            # this step's K/V [B, Hkv, D] into the pool; every row's keys [B, Hkv, S, D]
+            keys, values, layout = cache.store_and_fetch(qk[:, 0, hq:], qkv[:, 0, hq + hkv :])
             q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, 1, D]
-            out = attention(q, keys, values, positions, layout, sm_scale=scale)
+            if layout.is_causal_tail and flash is not None:  # one row: every key visible
+                out = flash(q, keys, values, 0.0, False, attn_mask=None, scale=scale)[0]
+            else:
+                out = attention(q, keys, values, positions, layout, sm_scale=scale)
             h = linear_add(out.transpose(1, 2).reshape(b, hq * d), o_w, o_b, h)
             gate, up = linear(rms_norm(h, ln2, eps2), gu_w, gu_b).chunk(2, dim=-1)
             h = linear_add(act(gate).mul_(up), down_w, down_b, h)

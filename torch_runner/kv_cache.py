@@ -232,8 +232,16 @@ class PagedLayerView:
         v_new = v.transpose(1, 2).reshape(b * n, h, d)
         if not meta.is_dense:
             k_new, v_new = k_new[meta.write_rows], v_new[meta.write_rows]
+        return self.store_and_fetch(k_new, v_new)
+
+    def store_and_fetch(self, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Write this step's K/V [T, Hkv, D] (T: the real new tokens, row-major) and return every
+        row's keys and values [B, Hkv, S, D] with the layout (`update_and_fetch` without the
+        [B, Hkv, N, D] reshuffle; the CPU decode loop calls it with one token per row)."""
+        meta = self.meta
         self.pool.write(self.layer, meta.write_slots, k_new, v_new)
-        s = meta.shape[2]
+        b, _, s = meta.shape
+        h, d = k_new.shape[1:]
         if meta.first_slot is not None:
             pool_k, pool_v = self.pool.k_layers[self.layer], self.pool.v_layers[self.layer]
             keys = pool_k.narrow(0, meta.first_slot, s).view(b, s, h, d).transpose(1, 2)
