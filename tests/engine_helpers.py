@@ -31,3 +31,28 @@ def save_engine_checkpoint(model_type: str, directory: str | Path, *, seed: int 
     model.save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
     return directory, model
+
+
+def run_staggered(engine, prompts, params, arrive_at=()):
+    """Outputs (token ids) of `prompts`: the first ones are added before any step, each later
+    one before the step numbered in `arrive_at` (rows joining mid-flight); in prompt order."""
+    rids, final, step = [], {}, 0
+    upfront = len(prompts) - len(arrive_at)
+    while len(rids) < len(prompts) or engine.has_unfinished():
+        if len(rids) < len(prompts) and (len(rids) < upfront or step in arrive_at):
+            rids.append(engine.add_request(None, prompts[len(rids)], params[len(rids)]))
+            continue
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+        step += 1
+    return [final[r] for r in rids]
+
+
+def hf_greedy(hf, prompt, max_tokens):
+    """transformers' greedy continuation of `prompt` (no EOS stop)."""
+    import torch
+
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()

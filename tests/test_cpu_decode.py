@@ -7,7 +7,7 @@ joining mid-flight), with packed and dense matmul weights.
 
 import pytest
 import torch
-from engine_helpers import save_engine_checkpoint
+from engine_helpers import hf_greedy, run_staggered, save_engine_checkpoint
 
 from torch_runner import Engine, SamplingParams
 from torch_runner.cpu_decode import supports_fast_decode
@@ -33,17 +33,8 @@ def _engine(path, **kwargs):
 
 def _run(engine):
     """Greedy outputs of PROMPTS; the last two arrive while the first two decode."""
-    rids, final, step = [], {}, 0
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in MAX_TOKENS]
-    while len(rids) < len(PROMPTS) or engine.has_unfinished():
-        if len(rids) < len(PROMPTS) and (len(rids) < 2 or step in (3, 6)):
-            rids.append(engine.add_request(None, PROMPTS[len(rids)], params[len(rids)]))
-            continue
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.token_ids
-        step += 1
-    return [final[r] for r in rids]
+    return run_staggered(engine, PROMPTS, params, arrive_at=(3, 6))
 
 
 @pytest.mark.parametrize("packing", ["auto", "off"])
@@ -77,9 +68,7 @@ def test_fast_decode_greedy_tokens_equal_transformers(llama):
     engine = _engine(path)
     assert engine.runner.fast_decode is not None
     for prompt, tokens, m in zip(PROMPTS, _run(engine), MAX_TOKENS):
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=m, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
-        assert tokens == want, prompt
+        assert tokens == hf_greedy(hf, prompt, m), prompt
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "mistral", "gpt_oss", "qwen3_moe"])

@@ -7,7 +7,7 @@ greedy tokens. On CUDA, graph replay must equal the eager engine.
 
 import pytest
 import torch
-from engine_helpers import save_engine_checkpoint
+from engine_helpers import hf_greedy, run_staggered, save_engine_checkpoint
 
 from torch_runner import Engine, SamplingParams
 from torch_runner.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
@@ -45,23 +45,8 @@ def _static(engine, max_bs=8, capture=False):
 
 def _run(engine, staggered=True):
     """Greedy outputs of PROMPTS, two of them arriving while the others decode."""
-    rids, final, step = [], {}, 0
     params = [SamplingParams(max_tokens=m, **GREEDY) for m in MAX_TOKENS]
-    while len(rids) < len(PROMPTS) or engine.has_unfinished():
-        if len(rids) < len(PROMPTS) and (not staggered or len(rids) < 3 or step in (4, 9)):
-            rids.append(engine.add_request(None, PROMPTS[len(rids)], params[len(rids)]))
-            continue
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.token_ids
-        step += 1
-    return [final[r] for r in rids]
-
-
-def _reference(hf, prompt, max_tokens):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
+    return run_staggered(engine, PROMPTS, params, arrive_at=(4, 9) if staggered else ())
 
 
 def test_buckets_cover_every_batch_and_context():
@@ -119,7 +104,7 @@ def test_static_decode_greedy_tokens_equal_transformers(llama):
     _static(engine, max_bs=4)  # 5 live rows > 4: that group falls back to the eager path
     outputs = _run(engine)
     for prompt, tokens, m in zip(PROMPTS, outputs, MAX_TOKENS):
-        assert tokens == _reference(hf, prompt, m), prompt
+        assert tokens == hf_greedy(hf, prompt, m), prompt
 
 
 def test_graphs_stay_off_on_cpu_and_with_enforce_eager(llama):
@@ -141,7 +126,7 @@ def test_cuda_graph_replay_equals_eager(llama):
     assert replayed == eager
     assert len(graphs.graphs) >= 4  # several (batch, key) buckets were captured and replayed
     for prompt, tokens, m in zip(PROMPTS, replayed, MAX_TOKENS):
-        assert tokens == _reference(hf, prompt, m), prompt
+        assert tokens == hf_greedy(hf, prompt, m), prompt
     # replay and the same static forward run eagerly give the same hidden state
     (rows, keys), (graph, inputs, hidden) = next(iter(engine.runner.decode_graphs.graphs.items()))
     graph.replay()

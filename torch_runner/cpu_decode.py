@@ -18,26 +18,21 @@ from __future__ import annotations
 import torch
 
 import ops
-from models.args import SLIDING_ATTENTION
-from models.layers import Attention, DecoderLayer, GatedMLP
+from models.layers import Attention, DecoderLayer
 from ops.attention import CPU_FLASH
 from ops.norm import rms_norm_unchecked
+from torch_runner.cuda_graphs import supports_graphs
 
 
 def supports_fast_decode(model, args) -> bool:
     """True when every layer is a plain full-attention DecoderLayer with fused projections."""
-    if SLIDING_ATTENTION in args.layer_types:
+    if not supports_graphs(model, args):  # no sliding-window layers, dense MLPs only
         return False
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        return False
-    for layer in layers:
-        if type(layer) is not DecoderLayer:
+    for layer in model.model.layers:
+        attn = getattr(layer, "self_attn", None)
+        if type(layer) is not DecoderLayer or type(attn) is not Attention:
             return False
-        attn, mlp = layer.self_attn, layer.mlp
-        if type(attn) is not Attention or type(mlp) is not GatedMLP:
-            return False
-        if attn.qkv_weight is None or mlp.gate_up_weight is None:
+        if attn.qkv_weight is None or layer.mlp.gate_up_weight is None:
             return False
         if attn.q_norm is not None or attn.sinks is not None or attn.window is not None:
             return False
