@@ -12,3 +12,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama engine checkpoint with large weights (initializer_range 0.5: distinct
+    logits, so greedy tokens are stable): (path, transformers reference model)."""
+    from engine_helpers import save_engine_checkpoint
+
+    path, hf = save_engine_checkpoint(
+        "llama", tmp_path_factory.mktemp("llama"), initializer_range=0.5
+    )
+    return str(path), hf

@@ -18,14 +18,6 @@ MAX_TOKENS = [12, 9, 14, 10]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path, hf = save_engine_checkpoint(
-        "llama", tmp_path_factory.mktemp("llama"), initializer_range=0.5
-    )
-    return str(path), hf
-
-
 def _engine(path, **kwargs):
     return Engine(path, device="cpu", dtype="float32", max_total_tokens=512, block_size=4,
                   chunked_prefill_size=8, max_num_seqs=8, **kwargs)  # fmt: skip

@@ -7,7 +7,7 @@ greedy tokens. On CUDA, graph replay must equal the eager engine.
 
 import pytest
 import torch
-from engine_helpers import hf_greedy, run_staggered, save_engine_checkpoint
+from engine_helpers import hf_greedy, run_staggered
 
 from torch_runner import Engine, SamplingParams
 from torch_runner.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
@@ -20,14 +20,6 @@ MAX_TOKENS = [24, 16, 20, 18, 28]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path, hf = save_engine_checkpoint(
-        "llama", tmp_path_factory.mktemp("llama"), initializer_range=0.5
-    )
-    return str(path), hf
 
 
 def _engine(path, device="cpu", **kwargs):
