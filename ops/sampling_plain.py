@@ -35,7 +35,7 @@ from ops.sampling_hash import (
 )
 
 CHUNK_COLUMNS = 8192  # CPU: [64, 8192] int32 = 2 MiB per buffer
-BLOCK = 64  # columns per block of the candidate search (`_chunk_best`)
+BLOCK = 64  # columns per block of the candidate search (`block_bounds`, `best_in_blocks`)
 _LN2 = math.log(2.0)
 _BIAS_LN2 = 127 * _LN2  # the float exponent bias, in nats
 _ONE = torch.tensor(1.0)  # 0-dim: `1 - u` as one pass with out=
