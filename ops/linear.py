@@ -4,7 +4,7 @@ Why: decode multiplies a few rows by every weight matrix, so a CPU step is bound
 the BLAS streams the weights. On the 2-core x86 box oneDNN's packed (blocked) weight format ran
 the default model's matmuls 1.5x faster than MKL's dense `x @ W.T` at 1 row, 1.8-2.7x at 2-8,
 1.3x at 64 and 1.05x at 512 rows, 2 threads (tools/bench_linear_packing.py,
-docs/performance.md). A packed weight is an opaque
+docs/performance-log.md). A packed weight is an opaque
 tensor of the same [out, in] shape; `linear` takes either kind, so models call one function.
 
 The packed format depends on the CPU: bf16 / fp16 packing needs AVX512-BF16 / AVX-NE-CONVERT

@@ -33,7 +33,7 @@ OPS: dict[str, tuple[str, str]] = {
     "apply_rope": ("ops.rope:apply_rope", "ops.mlx.rope:apply_rope"),
     "moe_gpt_oss": ("ops.moe:moe_gpt_oss", "ops.mlx.moe:moe_gpt_oss"),
     "moe_qwen3": ("ops.moe:moe_qwen3", "ops.mlx.moe:moe_qwen3"),
-    "sampler": ("ops.sampling:sample", "ops.mlx.sampling:sample"),
+    "sampler": ("ops.sampling.sampler:sample", "ops.mlx.sampling:sample"),
     # diffusion ops: paths owned by the diffusion engineer (ops/diffusion/)
     "norm_infer": ("ops.diffusion.norm:norm_infer", "ops.diffusion.mlx:norm_infer"),
     "modulate": ("ops.diffusion.modulation:modulate", "ops.diffusion.mlx:modulate"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from torch_runner.block_manager import BlockManager
+from torch_runner.kv.block_manager import BlockManager
 
 
 def test_allocate_and_release_return_every_block():

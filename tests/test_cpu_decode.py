@@ -1,4 +1,4 @@
-"""The flat CPU decode forward (torch_runner/cpu_decode.py).
+"""The flat CPU decode forward (torch_runner/runner/cpu_decode.py).
 
 Oracles: the module path on the same pool state (bit for bit: the same ops on the same values)
 and transformers' greedy tokens, over a staggered run of mixed lengths (batched masks, rows
@@ -10,7 +10,7 @@ import torch
 from engine_helpers import hf_greedy, run_staggered, save_engine_checkpoint
 
 from torch_runner import Engine, SamplingParams
-from torch_runner.cpu_decode import supports_fast_decode
+from torch_runner.runner.cpu_decode import supports_fast_decode
 
 PROMPTS = [[5, 6, 7], [100] * 11, [42], list(range(200, 219))]
 MAX_TOKENS = [12, 9, 14, 10]

@@ -1,4 +1,4 @@
-"""The static-shape decode behind CUDA graphs (torch_runner/cuda_graphs.py).
+"""The static-shape decode behind CUDA graphs (torch_runner/runner/cuda_graphs.py).
 
 On CPU the static forward runs eagerly: padded batch buckets, bucketed key widths and masks
 built from tensors must give the eager path's logits (fp32, tight tolerance) and transformers'
@@ -10,7 +10,7 @@ import torch
 from engine_helpers import hf_greedy, run_staggered
 
 from torch_runner import Engine, SamplingParams
-from torch_runner.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
+from torch_runner.runner.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # contexts from 2 to ~60 tokens: with block size 4 and min_keys 8 the key width crosses the
@@ -122,7 +122,7 @@ def test_cuda_graph_replay_equals_eager(llama):
     # replay and the same static forward run eagerly give the same hidden state
     (rows, keys), (graph, inputs, hidden) = next(iter(engine.runner.decode_graphs.graphs.items()))
     graph.replay()
-    from torch_runner.cuda_graphs import static_decode
+    from torch_runner.runner.cuda_graphs import static_decode
 
     r = engine.runner
     again = static_decode(r.model, r.pool, r.full_layers, len(r.args.layer_types), inputs, keys)

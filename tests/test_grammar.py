@@ -17,15 +17,15 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from ops.sampling import SamplingBatch, sample
-from ops.sampling_params import SamplingParams
-from torch_runner.grammar import (
+from ops.sampling.params import SamplingParams
+from ops.sampling.sampler import SamplingBatch, sample
+from torch_runner.grammar.compiler import (
     GRAMMAR_KINDS,
     GrammarCompilerCache,
     GrammarError,
     compiler_for,
 )
-from torch_runner.grammar_mask import GrammarMasker, bitmask_to_additive, byte_table
+from torch_runner.grammar.masks import GrammarMasker, bitmask_to_additive, byte_table
 
 VOCAB = 49152  # SmolLM2
 

@@ -13,7 +13,7 @@ import json
 import jsonschema
 import pytest
 
-from ops.sampling_params import StructuredOutputSpec
+from ops.sampling.params import StructuredOutputSpec
 from torch_runner import Engine, SamplingParams
 
 pytestmark = pytest.mark.slow

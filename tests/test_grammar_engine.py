@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from engine_helpers import save_engine_checkpoint
 
-from ops.sampling_params import StructuredOutputSpec
+from ops.sampling.params import StructuredOutputSpec
 from torch_runner import Engine, SamplingParams
 
 EMAIL = r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from ops.sampling_params import StructuredOutputSpec
-from torch_runner.grammar import GrammarError
-from torch_runner.grammar_format import (
+from ops.sampling.params import StructuredOutputSpec
+from torch_runner.grammar.compiler import GrammarError
+from torch_runner.grammar.formats import (
     RESPONSE_FORMAT_TYPES,
     ResponseFormatError,
     spec_from_response_format,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ops.attention import attention
-from torch_runner.kv_cache import (
+from torch_runner.kv.caches import (
     PagedKVPool,
     PagedLayerView,
     PagedStepMeta,

@@ -56,6 +56,32 @@ def test_layering_check_fails_on_an_upward_import(tmp_path, package, upward):
     assert f"{package}._upward" in result.stdout
 
 
+@pytest.mark.skipif(not LINT_IMPORTS.exists(), reason="import-linter not installed")
+@pytest.mark.parametrize(
+    ("module", "imported"),
+    [
+        ("torch_runner/kv", "torch_runner.serve"),  # kv sits below serve
+        ("torch_runner/kv", "torch_runner.runner"),  # and below the runner
+        ("torch_runner/runner", "torch_runner.engine"),  # the runner never reaches the engine
+        ("torch_runner/grammar", "torch_runner.scheduler"),  # grammar and scheduler are siblings
+        ("torch_runner/kv/block_manager", "torch"),  # bookkeeping is plain Python
+        ("torch_runner/scheduler", "torch"),
+        ("torch_runner/engine", "fastapi"),  # HTTP stays in serve
+    ],
+)
+def test_engine_contracts_fail_on_a_forbidden_import(tmp_path, module, imported):
+    tree = _copy_tree(tmp_path)
+    target = tree / (module + ".py")
+    if not target.exists():  # a package: add a module inside it
+        target = tree / module / "_forbidden.py"
+        target.write_text(f"import {imported}  # noqa: F401\n")
+    else:
+        target.write_text(target.read_text() + f"\nimport {imported}  # noqa: E402, F401\n")
+    result = _lint(tree)
+    assert result.returncode != 0, result.stdout
+    assert "BROKEN" in result.stdout
+
+
 def test_packages_do_not_import_mlx_when_disabled():
     code = (
         "import importlib, pkgutil, sys\n"

@@ -3,7 +3,7 @@ no group pads more than PAD_WASTE times its real tokens (checked by brute force)
 
 import random
 
-from torch_runner.model_runner import PAD_WASTE, group_chunks
+from torch_runner.runner.model_runner import PAD_WASTE, group_chunks
 from torch_runner.scheduler import ScheduledChunk
 from torch_runner.sequence import Sequence
 

@@ -3,8 +3,8 @@ counting with the BlockManager, LRU eviction of unreferenced leaves, payload-gat
 
 import random
 
-from torch_runner.block_manager import BlockManager
-from torch_runner.radix_cache import RadixCache
+from torch_runner.kv.block_manager import BlockManager
+from torch_runner.kv.radix_cache import RadixCache
 
 BS = 4
 

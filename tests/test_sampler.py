@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from ops.sampling import sample as torch_sample
-from ops.sampling_batch import SamplingBatch
-from ops.sampling_params import SamplingParamError
-from ops.sampling_params import SamplingParams as SP
+from ops.sampling.batch import SamplingBatch
+from ops.sampling.params import SamplingParamError
+from ops.sampling.params import SamplingParams as SP
+from ops.sampling.sampler import sample as torch_sample
 from tests.test_sampler_hash import reference_gumbel
 
 

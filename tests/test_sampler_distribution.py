@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from ops.sampling import sample as torch_sample
-from ops.sampling_batch import SamplingBatch
-from ops.sampling_params import SamplingParams as SP
+from ops.sampling.batch import SamplingBatch
+from ops.sampling.params import SamplingParams as SP
+from ops.sampling.sampler import sample as torch_sample
 
 LOGITS = [1.3, -0.3, 2.0, 0.2, 1.0, -2.0, 0.7, 1.6, 0.0, -0.8, 0.5, -1.2]  # ids not sorted
 NUM_DRAWS = 20000

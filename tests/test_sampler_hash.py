@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from ops.sampling import murmur_hash32
-from ops.sampling_hash import U_MAX, U_MIN, seeded_gumbel, to_signed64
+from ops.sampling.sampler import murmur_hash32
+from ops.sampling.seeded_hash import U_MAX, U_MIN, seeded_gumbel, to_signed64
 
 M = 0xFFFFFFFF
 SEEDS = [0, 1, 42, 2**31, 2**63 + 12345]
@@ -94,7 +94,7 @@ def test_seeded_noise_is_float32_reference():
 def test_uniform_clamp_keeps_noise_finite():
     # 0xFFFFFFFF / 0xFFFFFFFF rounds to exactly 1.0 in float32, and 0 would give -inf.
     assert np.float32(M) / np.float32(M) == 1.0
-    from ops.sampling_hash import gumbel_from_uniform
+    from ops.sampling.seeded_hash import gumbel_from_uniform
 
     g = gumbel_from_uniform(torch.tensor([0.0, 1.0, U_MIN, U_MAX]))
     assert torch.isfinite(g).all()

@@ -1,4 +1,4 @@
-"""Temperature-only rows (ops/sampling_plain.py): the chunked seeded draw picks the token of the
+"""Temperature-only rows (ops/sampling/plain.py): the chunked seeded draw picks the token of the
 whole-row argmax (ties included), the int32 noise route is the int64 one bit for bit, and the
 inverse-CDF draw follows softmax. Oracles: numpy float32 noise from the pure-Python hash,
 brute-force argmax, chi-square against the exact distribution."""
@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from ops.sampling import sample
-from ops.sampling_batch import SamplingBatch
-from ops.sampling_hash import (
+from ops.sampling.batch import SamplingBatch
+from ops.sampling.params import SamplingParams as SP
+from ops.sampling.plain import BLOCK, best_in_blocks, block_bounds, inverse_cdf_draw, seeded_draw
+from ops.sampling.sampler import sample
+from ops.sampling.seeded_hash import (
     U_MAX,
     U_MIN,
     finish_hash,
@@ -19,8 +21,6 @@ from ops.sampling_hash import (
     rotl13,
     row_prefix_hash,
 )
-from ops.sampling_params import SamplingParams as SP
-from ops.sampling_plain import BLOCK, best_in_blocks, block_bounds, inverse_cdf_draw, seeded_draw
 from tests.test_sampler_distribution import chi_square_limit
 from tests.test_sampler_hash import reference_hash
 
@@ -78,7 +78,7 @@ def mixed_rows(num_rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("vocab, chunk", [(300, 8192), (4099, 8192), (4099, 1000), (49152, 8192)])
 def test_chunked_seeded_draw_is_the_whole_row_argmax(vocab, chunk, monkeypatch):
-    monkeypatch.setattr("ops.sampling_plain.CHUNK_COLUMNS", chunk)  # 1000: 4 chunks + 99
+    monkeypatch.setattr("ops.sampling.plain.CHUNK_COLUMNS", chunk)  # 1000: 4 chunks + 99
     rows = mixed_rows(12, vocab, seed=vocab)
     seeds = torch.tensor([3, 2**63 - 1, 0, 42, 7, 8, 9, 10, 11, 12, 13, 2**31])
     prefix = row_prefix_hash(seeds, torch.arange(12) + 1000)
@@ -90,7 +90,7 @@ def test_chunked_seeded_draw_is_the_whole_row_argmax(vocab, chunk, monkeypatch):
 @pytest.mark.parametrize("first, second", [(10, 200), (200, 10)])
 @pytest.mark.parametrize("chunk", [8192, 100])  # 100: the tied tokens in different chunks
 def test_equal_keys_go_to_the_lowest_id_as_in_the_full_draw(first, second, chunk, monkeypatch):
-    monkeypatch.setattr("ops.sampling_plain.CHUNK_COLUMNS", chunk)
+    monkeypatch.setattr("ops.sampling.plain.CHUNK_COLUMNS", chunk)
     vocab = 256
     prefix = row_prefix_hash(torch.tensor([99]), torch.tensor([5]))
     neg_g = neg_gumbel_from_hash(finish_hash(prefix, torch.arange(vocab)))[0]
@@ -109,7 +109,7 @@ def test_equal_keys_go_to_the_lowest_id_as_in_the_full_draw(first, second, chunk
 def test_seeded_plain_rows_follow_softmax_over_chunks(monkeypatch):
     """12 live tokens spread over 4096 (CHUNK_COLUMNS 1000: every chunk boundary crossed); the
     draws over positions follow softmax(logits / T) of the live tokens."""
-    monkeypatch.setattr("ops.sampling_plain.CHUNK_COLUMNS", 1000)
+    monkeypatch.setattr("ops.sampling.plain.CHUNK_COLUMNS", 1000)
     live = torch.tensor([1.3, -0.3, 2.0, 0.2, 1.0, -2.0, 0.7, 1.6, 0.0, -0.8, 0.5, -1.2])
     vocab, num_draws, temperature = 4096, 20000, 0.9
     ids = torch.arange(12) * 300 + 11  # spread over the vocabulary
@@ -191,7 +191,7 @@ def test_rotated_words_route_is_the_plain_hash():
 
 def test_hash_constants_as_ints_and_as_cpu_tensors_agree(monkeypatch):
     """Devices hash with Python-int constants, CPU with 0-dim int32 tensors: same words."""
-    import ops.sampling_hash as sampling_hash
+    import ops.sampling.seeded_hash as sampling_hash
 
     words = torch.randint(-(2**31), 2**31 - 1, (5, 300), dtype=torch.int32)
     with_tensors = sampling_hash.finish_words_(words.clone())

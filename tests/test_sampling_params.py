@@ -2,7 +2,7 @@
 
 import pytest
 
-from ops.sampling_params import SamplingParamError, SamplingParams, StructuredOutputSpec
+from ops.sampling.params import SamplingParamError, SamplingParams, StructuredOutputSpec
 
 
 def test_defaults_are_openai_defaults():

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from torch_runner.block_manager import BlockManager
-from torch_runner.radix_cache import RadixCache
+from torch_runner.kv.block_manager import BlockManager
+from torch_runner.kv.radix_cache import RadixCache
 from torch_runner.scheduler import Scheduler
 from torch_runner.sequence import Sequence, SequenceStatus
 

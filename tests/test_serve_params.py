@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops.sampling_params import SamplingParams
+from ops.sampling.params import SamplingParams
 from torch_runner.serve.errors import InvalidRequestError
 from torch_runner.serve.params import chat_fields, completion_fields, expand_choices
 from torch_runner.serve.protocol import ChatCompletionRequest, CompletionRequest

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ops.sampling_params import SamplingParams
+from ops.sampling.params import SamplingParams
 from torch_runner import Engine
-from torch_runner.kv_cache import WindowedKVCache
+from torch_runner.kv.caches import WindowedKVCache
 from torch_runner.request_state import RequestState
 from torch_runner.sequence import Sequence, SequenceStatus
 

@@ -34,8 +34,8 @@ import xgrammar as xgr
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch_runner.grammar import GrammarCompilerCache  # noqa: E402
-from torch_runner.grammar_mask import allocate_bitmask, bitmask_to_additive, byte_table  # noqa: E402
+from torch_runner.grammar.compiler import GrammarCompilerCache  # noqa: E402
+from torch_runner.grammar.masks import allocate_bitmask, bitmask_to_additive, byte_table  # noqa: E402
 
 O200K_HARMONY_VOCAB = 201088
 O200K_HARMONY_RETURN = 200002  # <|return|>, gpt-oss's end of answer
@@ -191,7 +191,7 @@ def decode_step_ms(batch: int, steps: int, repeats: int) -> tuple[float, float]:
     interleaved, alternating which goes first."""
     import json
 
-    from ops.sampling_params import StructuredOutputSpec
+    from ops.sampling.params import StructuredOutputSpec
     from torch_runner import Engine
 
     global _ENGINE

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import models  # noqa: E402
 from models.default_model import default_model_path  # noqa: E402
-from torch_runner.kv_cache import PagedKVPool, PagedLayerView, PagedStepMeta  # noqa: E402
+from torch_runner.kv.caches import PagedKVPool, PagedLayerView, PagedStepMeta  # noqa: E402
 
 BLOCK = 16
 

@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ops.sampling import sample as torch_sample  # noqa: E402
-from ops.sampling_batch import SamplingBatch  # noqa: E402
-from ops.sampling_params import SamplingParams  # noqa: E402
+from ops.sampling.batch import SamplingBatch  # noqa: E402
+from ops.sampling.params import SamplingParams  # noqa: E402
+from ops.sampling.sampler import sample as torch_sample  # noqa: E402
 
 MIXES = {
     "greedy": lambda i: SamplingParams(temperature=0.0),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ops.sampling_params import SamplingParams
+from ops.sampling.params import SamplingParams
 from torch_runner.config import EngineConfig
 from torch_runner.outputs import Logprob, RequestOutput
 

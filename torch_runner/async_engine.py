@@ -17,7 +17,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ops.sampling_params import SamplingParams
+from ops.sampling.params import SamplingParams
 from torch_runner.engine import Engine
 
 logger = logging.getLogger(__name__)

@@ -13,13 +13,13 @@ from dataclasses import replace
 from typing import Any
 
 from models import load_model
-from ops.sampling_params import SamplingParams
-from torch_runner.block_manager import BlockManager
+from ops.sampling.params import SamplingParams
 from torch_runner.config import EngineConfig
-from torch_runner.model_runner import ModelRunner, available_memory_bytes
+from torch_runner.kv.block_manager import BlockManager
+from torch_runner.kv.radix_cache import RadixCache
 from torch_runner.outputs import RequestOutput
-from torch_runner.radix_cache import RadixCache
 from torch_runner.request_state import RequestState
+from torch_runner.runner.model_runner import ModelRunner, available_memory_bytes
 from torch_runner.scheduler import Scheduler
 from torch_runner.sequence import Sequence
 
@@ -174,7 +174,7 @@ class Engine:
     def _new_grammar(self, params: SamplingParams):
         if params.structured is None:
             return None
-        from torch_runner.grammar import compiler_for
+        from torch_runner.grammar.compiler import compiler_for
 
         spec = params.structured
         return compiler_for(self.tokenizer, self.vocab_size).new_request_grammar(
@@ -186,7 +186,7 @@ class Engine:
         if all(g is None for g in grammars):
             return None
         if self._grammar_masker is None:
-            from torch_runner.grammar_mask import GrammarMasker
+            from torch_runner.grammar.masks import GrammarMasker
 
             self._grammar_masker = GrammarMasker(self.vocab_size, self.device)
         return self._grammar_masker.build_edit_rows(grammars)

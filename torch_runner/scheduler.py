@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_runner.block_manager import BlockManager
-from torch_runner.radix_cache import RadixCache
+from torch_runner.kv.block_manager import BlockManager
+from torch_runner.kv.radix_cache import RadixCache
 from torch_runner.sequence import Sequence, SequenceStatus
 
 

@@ -1,4 +1,4 @@
-"""The MLX sampler: the contract of ops.sampling.sample, computed in one MLX island.
+"""The MLX sampler: the contract of ops.sampling.sampler.sample, computed in one MLX island.
 
 Same signature, same SamplingBatch, same order of edits, same Gumbel-max formula
 (argmax(scaled + g) over the survivors). The seeded hash runs on native uint32 words, so on
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from bridge import mlx_call_multi
-from ops.sampling import SampleOutput, check_shapes
-from ops.sampling_batch import SamplingBatch
-from ops.sampling_hash import U_MAX, U_MIN
+from ops.sampling.batch import SamplingBatch
+from ops.sampling.sampler import SampleOutput, check_shapes
+from ops.sampling.seeded_hash import U_MAX, U_MIN
 
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
 _M32 = 0xFFFFFFFF
@@ -29,7 +29,7 @@ def sample(
     positions: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> SampleOutput:
-    """MLX variant of `ops.sampling.sample` (see there for the contract)."""
+    """MLX variant of `ops.sampling.sampler.sample` (see there for the contract)."""
     check_shapes(logits, batch, positions)
     groups = {"greedy": batch.greedy, "plain": batch.plain, "filtering": batch.filtering}
     needs_random = any(

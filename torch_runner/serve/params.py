@@ -20,12 +20,12 @@ SEED_MODULUS = 2**64
 def structured_spec(response_format: dict[str, Any] | None) -> Any:
     """Map `response_format` to the engine's structured-output spec (None = free text).
 
-    The accepted shapes and their validation live in `torch_runner.grammar_format`; a bad
+    The accepted shapes and their validation live in `torch_runner.grammar.formats`; a bad
     schema, regex or grammar is a 400 carrying xgrammar's message.
     """
     if response_format is None:
         return None
-    from torch_runner.grammar_format import spec_from_response_format  # imports xgrammar
+    from torch_runner.grammar.formats import spec_from_response_format  # imports xgrammar
 
     try:
         return spec_from_response_format(response_format)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
-from torch_runner.grammar import RequestGrammar
+from torch_runner.grammar.compiler import RequestGrammar
 
 NEG_INF = float("-inf")
 

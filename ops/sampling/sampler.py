@@ -3,7 +3,7 @@
 No random choice needs a multinomial or a host sync. Rows take one of three paths, chosen on the
 host when the batch was built:
   greedy     argmax of the edited logits; no randomness consumed.
-  plain      temperature only, over the whole vocabulary (ops/sampling_plain.py): unseeded rows
+  plain      temperature only, over the whole vocabulary (ops/sampling/plain.py): unseeded rows
              by inverse CDF (softmax, cumsum, one uniform per row); seeded rows by Gumbel-max,
              argmax(scaled + g), every token hashed (on CPU in cache-sized column chunks).
   filtering  top-k / top-p / min-p on sorted probabilities, then Gumbel-max, argmax(scaled + g),
@@ -27,9 +27,9 @@ from typing import NamedTuple
 
 import torch
 
-from ops.sampling_batch import MAX_BOUNDED_TOP_K, RowGroup, SamplingBatch
-from ops.sampling_hash import murmur_hash32, neg_gumbel_, seeded_neg_gumbel
-from ops.sampling_plain import draw_plain
+from ops.sampling.batch import MAX_BOUNDED_TOP_K, RowGroup, SamplingBatch
+from ops.sampling.plain import draw_plain
+from ops.sampling.seeded_hash import murmur_hash32, neg_gumbel_, seeded_neg_gumbel
 
 __all__ = ["SampleOutput", "SamplingBatch", "murmur_hash32", "sample"]
 

@@ -18,10 +18,8 @@ import torch
 
 import ops
 from models.layers import pack_linear_weights
-from ops.sampling_batch import SamplingBatch
-from torch_runner.cpu_decode import FlatDecoder, supports_fast_decode
-from torch_runner.cuda_graphs import DecodeGraphs
-from torch_runner.kv_cache import (
+from ops.sampling.batch import SamplingBatch
+from torch_runner.kv.caches import (
     CacheLayout,
     PagedKVPool,
     PagedLayerView,
@@ -29,6 +27,8 @@ from torch_runner.kv_cache import (
     WindowedBatchView,
     WindowedKVCache,
 )
+from torch_runner.runner.cpu_decode import FlatDecoder, supports_fast_decode
+from torch_runner.runner.cuda_graphs import DecodeGraphs
 from torch_runner.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import torch
 from models.args import SLIDING_ATTENTION
 from models.layers import GatedMLP
 from ops.attention import KeyLayout
-from torch_runner.kv_cache import PagedKVPool
+from torch_runner.kv.caches import PagedKVPool
 
 logger = logging.getLogger(__name__)
 

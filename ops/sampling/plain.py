@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ops.sampling_hash import (
+from ops.sampling.seeded_hash import (
     finish_rotated_,
     finish_words_,
     neg_gumbel_,

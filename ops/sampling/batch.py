@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ops.sampling_hash import to_signed64
-from ops.sampling_params import SamplingParamError, SamplingParams
+from ops.sampling.params import SamplingParamError, SamplingParams
+from ops.sampling.seeded_hash import to_signed64
 
 MAX_BOUNDED_TOP_K = 1024  # filtering works on [B, K] candidates when every row's top_k fits
 DEFAULT_DETERMINISTIC_SEED = 42

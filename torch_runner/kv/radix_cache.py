@@ -19,7 +19,7 @@ import heapq
 import itertools
 from typing import Any
 
-from torch_runner.block_manager import BlockManager
+from torch_runner.kv.block_manager import BlockManager
 
 
 class _Node:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ops.sampling_params import StructuredOutputSpec
-from torch_runner.grammar import validate_grammar
+from ops.sampling.params import StructuredOutputSpec
+from torch_runner.grammar.compiler import validate_grammar
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
 # response_format type -> (engine kind, the key holding the spec)

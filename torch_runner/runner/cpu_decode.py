@@ -21,7 +21,7 @@ import ops
 from models.layers import Attention, DecoderLayer
 from ops.attention import CPU_FLASH
 from ops.norm import rms_norm_unchecked
-from torch_runner.cuda_graphs import supports_graphs
+from torch_runner.runner.cuda_graphs import supports_graphs
 
 
 def supports_fast_decode(model, args) -> bool:

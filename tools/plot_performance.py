@@ -1,0 +1,69 @@
+"""Draw docs/img/*.png from the headline figures in docs/performance.md.
+
+The numbers below are copied from that page (each with its date and the command that measured
+it there); re-run this after updating them: `.venv/bin/python tools/plot_performance.py`.
+Needs matplotlib (not a project dependency: `pip install matplotlib`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
+
+# 2026-12-01, 2-core AMD EPYC (AVX-512 BF16), SmolLM2-135M batch-1 decode tok/s, medians of 3
+# interleaved rounds (docs/performance.md, CPU table).
+CPU = {
+    "fp32": {"torch_runner": 56.5, "llama.cpp": 69.0, "HF transformers": 24.0},
+    "bf16": {"torch_runner": 75.5, "llama.cpp": 121.0, "HF transformers": 45.0},
+    "int8 / q8_0": {"torch_runner": 0.0, "llama.cpp": 160.5, "HF transformers": 0.0},
+    "int4 / Q4_1": {"torch_runner": 0.0, "llama.cpp": 164.5, "HF transformers": 0.0},
+}
+
+# 2026-12-01, one NVIDIA H200, bf16 random weights, prompt 128 + 128 generated, decode tok/s
+# (docs/performance.md, H200 table; torch_runner = middle of its measured range).
+H200 = {
+    "Llama-3.2-1B b1": {"roofline": 1715, "torch_runner": 453, "llama.cpp": 746, "HF": 108},
+    "Llama-3.2-1B b64": {"roofline": 94632, "torch_runner": 15378, "llama.cpp": 9571, "HF": 5277},
+    "Llama-3.1-8B b1": {"roofline": 283, "torch_runner": 152, "llama.cpp": 205, "HF": 48},
+    "Llama-3.1-8B b64": {"roofline": 16365, "torch_runner": 6369, "llama.cpp": 4734, "HF": 3057},
+}
+
+
+def grouped_bars(data: dict, title: str, ylabel: str, path: Path, log: bool = False) -> None:
+    groups = list(data)
+    series = list(next(iter(data.values())))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, name in enumerate(series):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [data[g][name] for g in groups], width, label=name)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if log:
+        ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    grouped_bars(
+        CPU,
+        "SmolLM2-135M batch-1 decode, 2-core EPYC (0 = not supported)",
+        "tokens/s",
+        OUT / "cpu_batch1_decode.png",
+    )
+    grouped_bars(H200, "Decode on one H200, bf16", "tokens/s (log)", OUT / "h200_decode.png", True)
+
+
+if __name__ == "__main__":
+    main()
