@@ -1,4 +1,5 @@
 """OpenAI-compatible HTTP server over torch_runner's engine (`python -m torch_runner.serve`).
+Owns HTTP, protocol, chat templating and output parsers; nothing in the engine imports it.
 
 `create_app(ServingState(...))` builds the FastAPI app around a started `AsyncEngine`;
 `torch_runner.serve.cli.main` is the command line. Importing this package loads neither the
