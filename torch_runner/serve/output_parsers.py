@@ -13,6 +13,7 @@ from typing import Any
 from torch_runner.serve.parsing import ChainedParser, FirstCallOnly, OutputParser, PlainParser
 from torch_runner.serve.tool_parsers import get_tool_parser, select_tool_parser
 from torch_runner.serve.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+from torch_runner.serve.tool_parsers.json_calls import new_call_id
 from torch_runner.serve.tool_prompt import template_supports_tools
 from torch_runner.serve.tools import ToolPlan
 
@@ -27,13 +28,21 @@ def default_tool_parser_name(model_type: str | None, template: str | None) -> st
 def _tool_parser(state: Any, plan: ToolPlan | None) -> OutputParser | None:
     if plan is None or plan.choice == "none":
         return None
-    if plan.choice == "named":
-        return NamedCallParser(plan.named or "")
-    if plan.choice == "required":
-        parser: OutputParser = RequiredCallsParser()
+    if plan.choice == "auto":
+        parser: OutputParser = get_tool_parser(state.tool_parser_name)(state.tokenizer)
     else:
-        parser = get_tool_parser(state.tool_parser_name)(state.tokenizer)
+        make_id = getattr(_family_parser(state), "make_id", new_call_id)
+        if plan.choice == "named":
+            return NamedCallParser(plan.named or "", make_id)
+        parser = RequiredCallsParser(make_id)
     return parser if plan.is_parallel else FirstCallOnly(parser)
+
+
+def _family_parser(state: Any) -> type | None:
+    try:
+        return get_tool_parser(state.tool_parser_name)
+    except ValueError:  # not available in this build: forced calls need only an id shape
+        return None
 
 
 def _reasoning_parser(state: Any) -> OutputParser | None:

@@ -8,6 +8,7 @@ token is an argument fragment of one call. Neither has content.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch_runner.serve.parsing import DeltaMessage, ParsedMessage, ToolCall, ToolCallDelta
@@ -46,9 +47,12 @@ def required_calls_schema(functions: list[dict[str, Any]], parallel: bool) -> di
 
 
 class RequiredCallsParser(StreamingToolParser):
-    def __init__(self, tokenizer=None) -> None:
+    """`make_id`: the model family's call-id shape (Mistral's templates take only 9 alphanumerics)."""
+
+    def __init__(self, make_id: Callable[[], str] = new_call_id) -> None:
         super().__init__()
         self._scanner = CallScanner()
+        self.make_id = make_id  # type: ignore[method-assign]
 
     def _feed_text(self, text: str, out: DeltaMessage) -> None:
         self.emit_call_events(self._scanner.feed(text), out)  # the grammar leaves no stray text
@@ -60,9 +64,9 @@ class RequiredCallsParser(StreamingToolParser):
 class NamedCallParser:
     """Everything generated is the arguments of the one named function."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, make_id: Callable[[], str] = new_call_id) -> None:
         self.name = name
-        self.call_id = new_call_id()
+        self.call_id = make_id()
         self._started = False
 
     def feed(self, delta_text: str, delta_token_ids: list[int]) -> DeltaMessage:

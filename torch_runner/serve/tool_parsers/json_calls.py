@@ -313,7 +313,9 @@ class StreamingToolParser:
                 texts.append(event.text)
         return texts
 
-    def make_id(self) -> str:
+    @staticmethod
+    def make_id() -> str:
+        """A call id in the family's shape (the history sends it back through its template)."""
         return new_call_id()
 
 

@@ -37,7 +37,8 @@ class MistralToolParser(StreamingToolParser):
         self._name_buf: str | None = None  # v11: the text between [TOOL_CALLS] and [ARGS]
         self._v11_open = False  # a v11 call's arguments are being read
 
-    def make_id(self) -> str:
+    @staticmethod
+    def make_id() -> str:
         return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
 
     def _feed_text(self, text: str, out: DeltaMessage) -> None:
