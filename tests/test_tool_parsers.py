@@ -229,9 +229,10 @@ def test_chained_reasoning_then_tools_agrees_with_parse():
         ("llama", "{{ '<|python_tag|>' }}{% if tools %}{% endif %}", "llama3_json"),
         ("llama", "{% if tools %}<tool_call>{% endif %}", "hermes"),
         ("llama", "{% for m in messages %}{% endfor %}", "hermes"),
+        ("mistral", "{{ tools }}<tool_call>", "hermes"),  # a Hermes fine-tune of Mistral
     ],
 )
-def test_parser_selection_by_model_type_then_template(model_type, template, expected):
+def test_parser_selection_by_template_then_model_type(model_type, template, expected):
     assert select_tool_parser(model_type, template) == expected
 
 

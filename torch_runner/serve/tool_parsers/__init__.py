@@ -4,7 +4,7 @@ vLLM's parser names. Pure text/token parsing over serve.parsing: imports no engi
 A parser module registers its class with `@register_tool_parser(name)`; `get_tool_parser` imports
 the module that provides a name on first use, so a parser living elsewhere (gpt-oss harmony's
 `openai`, in serve/reasoning/harmony.py) joins the registry by being listed in `_MODULES`.
-`select_tool_parser` picks one from the model: model_type first, then the chat template's markers.
+`select_tool_parser` picks one from the model: the chat template's markers, then model_type.
 """
 
 from __future__ import annotations
@@ -70,16 +70,14 @@ def get_tool_parser(name: str) -> type:
 
 
 def select_tool_parser(model_type: str | None, chat_template: str | None) -> str:
-    """vLLM's parser name for a model: its model_type, else its template's markers, else hermes
-    (the format of the default tool prompt, used when a template has no tool support)."""
-    by_type = _BY_MODEL_TYPE.get(model_type or "")
-    if by_type is not None:
-        return by_type
+    """vLLM's parser name for a model: markers in its chat template first (a Hermes fine-tune of
+    Mistral writes `<tool_call>`), then its model_type, else hermes (the default tool prompt's
+    format)."""
     template = chat_template or ""
     for marker, name in _BY_TEMPLATE:
         if marker in template:
             return name
-    return DEFAULT_TOOL_PARSER
+    return _BY_MODEL_TYPE.get(model_type or "") or DEFAULT_TOOL_PARSER
 
 
 def new_tool_parser(name: str, tokenizer: Any = None) -> Any:
