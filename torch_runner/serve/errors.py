@@ -84,6 +84,10 @@ class InternalError(APIError):
     type = "internal_server_error"
 
 
+class ModelOutputError(InternalError):
+    """The model failed a request (non-finite logits): that request ends, the server goes on."""
+
+
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 

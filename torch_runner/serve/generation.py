@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,13 +19,14 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from torch_runner.serve.errors import APIError, OverCapacityError, param_error
+from torch_runner.serve.errors import APIError, ModelOutputError, OverCapacityError, param_error
 from torch_runner.serve.metrics import ChoiceTracker
 from torch_runner.serve.protocol import PromptTokensDetails, Usage
 
 T = TypeVar("T")
 
 LogprobEntry = tuple[float, list[tuple[int, float]]]
+MIN_LOGPROB = -9999.0  # what a non-finite logprob is sent as (vLLM's convention)
 
 
 class ClientDisconnected(Exception):
@@ -48,6 +50,7 @@ class Choice:
     num_cached_tokens: int = 0
     is_finished: bool = False
     has_output: bool = False
+    error: str | None = None  # set with finish_reason "error"
 
 
 @dataclass
@@ -68,6 +71,13 @@ class Increment:
         return self.choice.finish_reason if self.choice.is_finished else None
 
 
+def json_logprob(value: Any) -> float:
+    """A logprob JSON can carry: -inf (a token a grammar or bias masked out) and NaN become
+    MIN_LOGPROB, as vLLM sends them, so no response serialisation can fail on a float."""
+    value = float(value)
+    return max(value, MIN_LOGPROB) if math.isfinite(value) else MIN_LOGPROB
+
+
 def normalize_logprobs(raw: Any, token_ids: list[int]) -> list[LogprobEntry]:
     """Engine logprobs -> [(chosen logprob, [(token id, logprob), ...]), ...] aligned with token_ids."""
     if not raw:
@@ -75,13 +85,13 @@ def normalize_logprobs(raw: Any, token_ids: list[int]) -> list[LogprobEntry]:
     entries: list[LogprobEntry] = []
     for token_id, entry in zip(token_ids, raw):
         if isinstance(entry, dict):  # {token_id: logprob} including the chosen token
-            chosen = float(entry[token_id])
+            chosen = json_logprob(entry[token_id])
             top = sorted(
-                ((int(i), float(lp)) for i, lp in entry.items()), key=lambda item: -item[1]
+                ((int(i), json_logprob(lp)) for i, lp in entry.items()), key=lambda item: -item[1]
             )
         else:
-            chosen = float(entry.logprob)
-            top = [(int(i), float(lp)) for i, lp in (entry.top_logprobs or [])]
+            chosen = json_logprob(entry.logprob)
+            top = [(int(i), json_logprob(lp)) for i, lp in (entry.top_logprobs or [])]
         entries.append((chosen, top))
     return entries
 
@@ -106,6 +116,7 @@ def apply_output(choice: Choice, output: Any, now: float) -> Increment:
         choice.is_finished = True
         choice.finish_reason = output.finish_reason or "stop"
         choice.tracker.finish_reason = choice.finish_reason
+        choice.error = getattr(output, "error", None)
     return Increment(choice, delta_text, delta_ids, delta_entries)
 
 
@@ -151,6 +162,10 @@ async def merge_choices(engine: Any, choices: list[Choice]) -> AsyncIterator[Inc
                 raise engine_error(item)
             else:
                 yield item
+                if item.choice.finish_reason == "error":  # the model failed this choice
+                    raise ModelOutputError(
+                        f"choice {item.choice.index}: {item.choice.error}", code="non_finite_logits"
+                    )
     finally:
         for task in tasks:
             task.cancel()

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_TOP_LOGPROBS = 20
+# "error": the model produced non-finite logits for that choice (an error event/JSON follows)
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class _Request(BaseModel):
@@ -115,7 +117,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -151,7 +153,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -173,7 +175,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):
