@@ -325,6 +325,12 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.reset()
 
+    def kv_cached_tokens(self) -> int:
+        """KV tokens held only by the prefix cache (evictable on demand); O(cached blocks)."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.num_evictable_blocks() * self.config.block_size
+
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
         bs = self.config.block_size

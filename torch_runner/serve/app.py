@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from torch_runner.serve.chat import create_chat_completion
 from torch_runner.serve.completions import create_completion
+from torch_runner.serve.drain import DrainGuard
 from torch_runner.serve.errors import EngineStoppedError, error_response, install_error_handlers
 from torch_runner.serve.metrics import CONTENT_TYPE
 from torch_runner.serve.middleware import ApiKeyGuard, BodySizeLimit, RequestMetrics
@@ -38,7 +39,9 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while the engine loop runs; 503 once it has stopped (a load balancer drains us)."""
+        """200 while the engine loop runs; 503 once it has stopped or while the server drains."""
+        if state.drain.is_draining:
+            return state.drain.health()
         if not getattr(state.engine, "is_running", True):
             return error_response(
                 EngineStoppedError("the engine loop is not running", code="engine_stopped")
@@ -78,6 +81,7 @@ def create_app(state: ServingState) -> FastAPI:
     # Last added runs first: metrics see every outcome, auth precedes reading the body.
     app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
     app.add_middleware(ApiKeyGuard, check=state.check_api_key)
+    app.add_middleware(DrainGuard, drain=state.drain, paths=GENERATION_PATHS)
     app.add_middleware(
         RequestMetrics, observe=state.metrics.observe_request, paths=GENERATION_PATHS
     )

@@ -6,7 +6,7 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from torch_runner.serve.generation import (
     Choice,
@@ -15,6 +15,7 @@ from torch_runner.serve.generation import (
     usage_of,
 )
 from torch_runner.serve.logprobs import chat_logprobs
+from torch_runner.serve.offload import json_response
 from torch_runner.serve.params import chat_fields
 from torch_runner.serve.prompts import chat_prompt, check_context
 from torch_runner.serve.protocol import (
@@ -43,13 +44,20 @@ async def create_chat_completion(
     """Render messages with the chat template, fan out n choices; answer as JSON or SSE."""
     arrived_at = time.perf_counter()
     state.check_model(body.model)
-    fields = chat_fields(body, state.vocab_size)
-    prompt_ids = chat_prompt(state.tokenizer, body.messages)
+    fields = await state.offload(chat_fields, body, state.vocab_size)
+    prompt_ids = await state.offload(chat_prompt, state.tokenizer, body.messages)
     max_name = _param_names(body)["max_tokens"]
     check_context(len(prompt_ids), fields["max_tokens"], state.max_model_len, "messages", max_name)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = state.build_choices(
-        request_id, [prompt_ids], fields, body.n, body.seed, _param_names(body), arrived_at
+    choices = await state.offload(
+        state.build_choices,
+        request_id,
+        [prompt_ids],
+        fields,
+        body.n,
+        body.seed,
+        _param_names(body),
+        arrived_at,
     )
     model = body.model or state.model_name
 
@@ -57,13 +65,15 @@ async def create_chat_completion(
         return await _stream(state, body, http, choices, request_id, model)
     if not await run_choices(http, state.engine, choices, on_close=lambda: state.record(choices)):
         return Response(status_code=499)
-    response = ChatCompletionResponse(
-        id=request_id,
-        model=model,
-        choices=[_final_choice(state, body, choice) for choice in choices],
-        usage=usage_of(choices),
+    response = await state.offload(
+        lambda: ChatCompletionResponse(
+            id=request_id,
+            model=model,
+            choices=[_final_choice(state, body, choice) for choice in choices],
+            usage=usage_of(choices),
+        )
     )
-    return JSONResponse(response.model_dump())
+    return await state.offload(json_response, response)
 
 
 def _logprobs(

@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from torch_runner.serve.errors import APIError, ModelOutputError, OverCapacityError, param_error
+from torch_runner.serve.errors import (
+    APIError,
+    EngineStoppedError,
+    ModelOutputError,
+    OverCapacityError,
+    param_error,
+)
 from torch_runner.serve.metrics import ChoiceTracker
 from torch_runner.serve.protocol import PromptTokensDetails, Usage
 
@@ -122,15 +128,20 @@ def apply_output(choice: Choice, output: Any, now: float) -> Increment:
 
 def engine_error(exc: Exception) -> APIError:
     """Map what `AsyncEngine.generate` raises to the client's error; re-raise anything else."""
-    from torch_runner.async_engine import EngineOverCapacityError  # lazy: keeps `import` light
+    from torch_runner.async_engine import (  # lazy: keeps `import` light
+        EngineOverCapacityError,
+        EngineShutdownError,
+    )
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineShutdownError):
+        return EngineStoppedError(str(exc), code="server_shutdown")
     if isinstance(exc, EngineOverCapacityError):
         return OverCapacityError(
             str(exc) or "server is over capacity; retry later", code="over_capacity"
         )
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ValueError):  # QueueTooSmallError included: waiting would not help
         return param_error(exc)
     raise exc
 
@@ -140,18 +151,21 @@ async def merge_choices(engine: Any, choices: list[Choice]) -> AsyncIterator[Inc
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(choice: Choice) -> None:
+    async def pump(choice: Choice, outputs: AsyncIterator) -> None:
         try:
-            async for output in engine.generate(
-                choice.request_id, choice.prompt_ids, choice.params
-            ):
+            async for output in outputs:
                 await queue.put(apply_output(choice, output, time.perf_counter()))
         except Exception as exc:
             await queue.put(exc)
         finally:
             await queue.put(done)
 
-    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    try:  # every choice admitted at once, or none: a fan-out is never half queued
+        streams = engine.submit([(c.request_id, c.prompt_ids, c.params) for c in choices])
+    except Exception as exc:
+        raise engine_error(exc) from None
+    tasks = [asyncio.create_task(pump(c, s)) for c, s in zip(choices, streams)]
+    abort_reason = "client_disconnected"  # unless an error below ends the merge
     try:
         remaining = len(tasks)
         while remaining:
@@ -159,12 +173,16 @@ async def merge_choices(engine: Any, choices: list[Choice]) -> AsyncIterator[Inc
             if item is done:
                 remaining -= 1
             elif isinstance(item, Exception):
-                raise engine_error(item)
+                error = engine_error(item)
+                abort_reason = error.code or "error"
+                raise error
             else:
                 yield item
                 if item.choice.finish_reason == "error":  # the model failed this choice
+                    abort_reason = "non_finite_logits"
+                    item.choice.tracker.abort_reason = abort_reason
                     raise ModelOutputError(
-                        f"choice {item.choice.index}: {item.choice.error}", code="non_finite_logits"
+                        f"choice {item.choice.index}: {item.choice.error}", code=abort_reason
                     )
     finally:
         for task in tasks:
@@ -173,6 +191,7 @@ async def merge_choices(engine: Any, choices: list[Choice]) -> AsyncIterator[Inc
             if not choice.is_finished:
                 engine.abort(choice.request_id)
                 choice.tracker.finish_reason = "abort"
+                choice.tracker.abort_reason = abort_reason
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from torch_runner.serve.encoding import check_encodable
 
 MAX_TOP_LOGPROBS = 20
 # "error": the model produced non-finite logits for that choice (an error event/JSON follows)
@@ -20,7 +22,13 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every request model: unknown fields are a 400, types are strict (`"stream": "yes"` and
+    `[[false, true]]` as token ids are rejected, not coerced), and no string may hold a lone
+    surrogate. Fields added by subclasses inherit all three."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    _encodable = field_validator("*")(check_encodable)
 
 
 class StreamOptions(_Request):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from typing import Any
 
-from torch_runner.serve.state import DEFAULT_MODEL_ALIAS, ServingState
+from torch_runner.serve.state import DEFAULT_MAX_CHOICES, DEFAULT_MODEL_ALIAS, ServingState
+
+FINAL_EVENT_SECONDS = 5  # uvicorn's own wait, after the drain, for responses still being sent
 
 
 def served_name(args: argparse.Namespace, engine: Any) -> str:
@@ -36,7 +39,13 @@ def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str)
 
 
 def serving_state(
-    engine: Any, async_engine: Any, *, model_name: str, api_key: str | None, max_body_bytes: int
+    engine: Any,
+    async_engine: Any,
+    *,
+    model_name: str,
+    api_key: str | None,
+    max_body_bytes: int,
+    max_choices: int = DEFAULT_MAX_CHOICES,
 ):
     """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`."""
     from torch_runner import SamplingParams
@@ -50,17 +59,39 @@ def serving_state(
         params_cls=SamplingParams,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
+        max_choices=max_choices,
     )
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket first, so a busy port fails in a second, before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        print(
+            f"error: cannot listen on {host}:{port} (--host/--port): {exc.strerror}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(args: argparse.Namespace, config: Any) -> None:
-    """Load the engine (after the CLI's MLX gate), print the banner, serve until interrupted."""
+    """Bind the port, load the engine (after the CLI's MLX gate), print the banner, serve until
+    SIGTERM/SIGINT, then drain (serve/drain.py) and exit 0."""
     import uvicorn
 
     import ops
     from torch_runner import AsyncEngine, Engine
     from torch_runner.serve.app import create_app
+    from torch_runner.serve.drain import DrainingServer
 
+    sock = bind_socket(args.host, args.port)
     try:
         engine = Engine.from_config(config)
     except (ValueError, FileNotFoundError) as exc:
@@ -75,16 +106,16 @@ def run_server(args: argparse.Namespace, config: Any) -> None:
             model_name=served_name(args, engine),
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
+            max_choices=args.max_choices_per_request,
         )
         app = create_app(state)
-        url = f"http://{args.host}:{args.port}"
+        url = f"http://{args.host}:{sock.getsockname()[1]}"
         print(banner(state, engine, ops.backends(), url), flush=True)
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+        config = uvicorn.Config(
+            app, log_level=args.log_level, timeout_graceful_shutdown=FINAL_EVENT_SECONDS
         )
+        server = DrainingServer(config, state.drain, async_engine, args.shutdown_timeout)
+        server.run(sockets=[sock])
+        state.pool.close()
     finally:
         async_engine.shutdown()
