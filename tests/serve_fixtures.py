@@ -155,6 +155,7 @@ class ThreadedServer:
         *,
         api_key: str | None = API_KEY,
         max_body_bytes: int = 8 << 20,
+        max_choices: int = 128,
         **engine_kwargs,
     ):
         import threading
@@ -179,7 +180,9 @@ class ThreadedServer:
             model_name=MODEL_NAME,
             api_key=api_key,
             max_body_bytes=max_body_bytes,
+            max_choices=max_choices,
         )
+        self.state = state
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
