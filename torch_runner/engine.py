@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+from bridge import resolve_device, use_mlx, validate_device
 from models import ModelLoadError, load_model
 from ops.sampling.params import SamplingParams
 from torch_runner.config import EngineConfig
@@ -63,6 +64,10 @@ class Engine:
     def _start(self, config: EngineConfig) -> None:
         from transformers import AutoTokenizer
 
+        # the MLX gate, before the model path is resolved or a weight read (as `serve` does):
+        # a broken MLX install or an MLX-incompatible device fails here, in one line
+        if use_mlx():
+            validate_device(resolve_device(config.device))
         path = config.model
         if path is None:
             from models.default_model import default_model_path
