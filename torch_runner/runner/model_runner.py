@@ -246,8 +246,10 @@ class ModelRunner:
         logits = logits[:, : self.vocab_size]
         out = ops.sample(logits, batch, positions, self.generator)
         # a row whose raw logits hold NaN/inf gets token -1 (the engine ends that request with
-        # an error); folded into the one transfer of token ids below, so no extra sync
-        is_finite = torch.isfinite(logits).all(dim=-1)  # [B]
+        # an error); folded into the one transfer of token ids below, so no extra sync. An fp32
+        # row sum is NaN/inf iff some logit is (finite logits cannot reach 3e38 in total), and
+        # costs a quarter of the argmax (isfinite().all() cost 6x the argmax: a [B, V] bool)
+        is_finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # [B]
         token_ids = torch.where(is_finite, out.token_ids, NON_FINITE_TOKEN)
         result = StepResult([s.request_id for s in seqs], token_ids.tolist())
         if out.logprobs is not None:

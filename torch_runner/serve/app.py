@@ -16,6 +16,7 @@ from torch_runner.serve.drain import DrainGuard
 from torch_runner.serve.errors import EngineStoppedError, error_response, install_error_handlers
 from torch_runner.serve.metrics import CONTENT_TYPE
 from torch_runner.serve.middleware import ApiKeyGuard, BodySizeLimit, RequestMetrics
+from torch_runner.serve.offload import OffloadedJsonRoute
 from torch_runner.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -35,6 +36,7 @@ def create_app(state: ServingState) -> FastAPI:
     """Build the OpenAI-compatible app around a started engine."""
     app = FastAPI(title="torch_runner", summary="OpenAI-compatible API over torch_runner's engine")
     app.state.serving = state
+    app.router.route_class = OffloadedJsonRoute  # large JSON bodies decode off the event loop
     install_error_handlers(app)
 
     @app.get("/health")
