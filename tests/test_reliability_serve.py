@@ -229,3 +229,38 @@ def test_no_request_here_ended_in_an_unexpected_500(server):
         if ln.startswith("torch_runner_requests_total") and 'status="500"' in ln
     ]
     assert all(ln.endswith(" 1.0") for ln in fives), fives  # only the non-finite request
+
+
+def test_large_bodies_do_not_stall_health(server):
+    """Two 1 MB chat bodies (each tokenized in the worker pool, then a 400: longer than the
+    context) keep the event loop free: /health answers in a fraction of their time, where
+    on-loop tokenization would hold it for their whole duration."""
+    content = "lorem ipsum dolor sit amet " * (1_000_000 // 27)
+    body = json.dumps(CHAT | {"messages": [{"role": "user", "content": content}]}).encode()
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=300) as c:
+            latencies: list[float] = []
+            done = asyncio.Event()
+
+            async def probe():
+                while not done.is_set():
+                    start = asyncio.get_running_loop().time()
+                    await c.get("/health")
+                    latencies.append(asyncio.get_running_loop().time() - start)
+                    await asyncio.sleep(0.02)
+
+            prober = asyncio.create_task(probe())
+            start = asyncio.get_running_loop().time()
+            responses = await asyncio.gather(
+                *(c.post("/v1/chat/completions", content=body) for _ in range(2))
+            )
+            elapsed = asyncio.get_running_loop().time() - start
+            done.set()
+            await prober
+            return responses, elapsed, latencies
+
+    responses, elapsed, latencies = asyncio.run(scenario())
+    assert all(error_of(r, 400)["code"] == "context_length_exceeded" for r in responses)
+    assert len(latencies) >= 5, (elapsed, latencies)
+    assert max(latencies) < 0.5 * elapsed, (elapsed, max(latencies))

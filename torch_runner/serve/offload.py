@@ -20,8 +20,6 @@ import contextlib
 import functools
 import json
 import os
-import sys
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
@@ -34,7 +32,6 @@ T = TypeVar("T")
 
 NUM_LIGHT_WORKERS = 4
 NUM_HEAVY_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))  # leave cores to loop and engine
-HEAVY_NICENESS = 10  # Linux: heavy workers yield the CPU to the loop, the engine, small requests
 HEAVY_BODY_BYTES = 64 * 1024  # a body this large may tokenize for 50+ ms on a slow core
 # bytes of the current request's body, set by the BodySizeLimit middleware as it reads it
 request_bytes: ContextVar[int] = ContextVar("request_bytes", default=0)
@@ -49,9 +46,9 @@ class WorkerPool:
 
     def __init__(self) -> None:
         self._light = ThreadPoolExecutor(NUM_LIGHT_WORKERS, thread_name_prefix="serve-light")
-        self._heavy = ThreadPoolExecutor(
-            NUM_HEAVY_WORKERS, thread_name_prefix="serve-heavy", initializer=_lower_priority
-        )
+        # not niced: measured, a niced worker kept /health p99 at 78 ms but took 6x longer on
+        # a shared box (docs/performance-log.md)
+        self._heavy = ThreadPoolExecutor(NUM_HEAVY_WORKERS, thread_name_prefix="serve-heavy")
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         executor = self._heavy if request_bytes.get() > HEAVY_BODY_BYTES else self._light
@@ -61,14 +58,6 @@ class WorkerPool:
     def close(self) -> None:
         for executor in (self._light, self._heavy):
             executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _lower_priority() -> None:
-    """Nice this worker thread (Linux threads have their own nice value; elsewhere the call
-    would renice the whole process, so it is skipped)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HEAVY_NICENESS)
 
 
 class OffloadedJsonRequest(Request):
