@@ -17,7 +17,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 from serve_fixtures import API_KEY, ThreadedServer, save_serve_checkpoint
 
-FUZZ_EXAMPLES = int(os.environ.get("TORCH_RUNNER_FUZZ_EXAMPLES", "60"))
+FUZZ_EXAMPLES = int(os.environ.get("TORCH_RUNNER_FUZZ_EXAMPLES", "100"))
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
