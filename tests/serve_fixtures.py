@@ -156,6 +156,8 @@ class ThreadedServer:
         api_key: str | None = API_KEY,
         max_body_bytes: int = 8 << 20,
         max_choices: int = 128,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
         **engine_kwargs,
     ):
         import threading
@@ -181,6 +183,8 @@ class ThreadedServer:
             api_key=api_key,
             max_body_bytes=max_body_bytes,
             max_choices=max_choices,
+            chat_template=chat_template,
+            tool_call_parser=tool_call_parser,
         )
         self.state = state
         self.port = free_port()
