@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -30,6 +31,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MAX_WAITING = 6
 MAX_CHOICES = 12
 POISON = 0x7E  # "~": its embedding output turns NaN in the non-finite test
+STORM_STREAMS = int(os.environ.get("TORCH_RUNNER_STORM_STREAMS", "20"))  # operators: 500+
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +177,9 @@ def _idle_and_free(values) -> bool:
 
 
 def test_disconnect_storm_frees_every_block(server):
-    """20 streams at once (the queue refuses some: 503), half of the admitted dropped after a few
-    events; afterwards no KV is held by requests and the server still answers correctly."""
+    """STORM_STREAMS streams at once (the queue refuses some: 503), half of the admitted dropped
+    after a few events; afterwards no KV is held by requests and the server still answers
+    correctly."""
     expected = _alone(server, "storm", 8)
 
     async def one(client, i: int):
@@ -193,7 +196,7 @@ def test_disconnect_storm_frees_every_block(server):
 
     async def storm():
         async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=120) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(20)))
+            return await asyncio.gather(*(one(c, i) for i in range(STORM_STREAMS)))
 
     outcomes = asyncio.run(storm())
     assert set(outcomes) <= {200, 503, "dropped"} and 200 in outcomes and "dropped" in outcomes
