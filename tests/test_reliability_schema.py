@@ -1,6 +1,6 @@
 """Schema fuzzing: schemathesis generates requests from the server's own /openapi.json (valid
-and invalid bodies alike) and checks that none gets a server error and that every JSON answer
-matches its documented schema. Bounded for CI (FUZZ_EXAMPLES per operation, a 64-token
+and invalid bodies alike) and checks that none gets a server error, that every answer has a documented content type
+(JSON, or server-sent events for streams) and that every JSON answer matches its schema. Bounded for CI (FUZZ_EXAMPLES per operation, a 64-token
 context so every generation is short); docs/serving.md gives the longer operator run.
 """
 
@@ -14,7 +14,10 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import response_schema_conformance
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+)
 from serve_fixtures import API_KEY, ThreadedServer, save_serve_checkpoint
 
 FUZZ_EXAMPLES = int(os.environ.get("TORCH_RUNNER_FUZZ_EXAMPLES", "100"))
@@ -53,11 +56,10 @@ def test_no_server_error_and_documented_responses(server):
         @given(case=operation.as_strategy())
         def fuzz(case):
             response = case.call(headers=AUTH, timeout=60)
-            checks = [not_a_server_error]
-            content_type = " ".join(response.headers.get("content-type") or [])
-            if content_type.startswith("application/json"):
-                checks.append(response_schema_conformance)
-            case.validate_response(response, checks=checks)
+            case.validate_response(
+                response,
+                checks=[not_a_server_error, content_type_conformance, response_schema_conformance],
+            )
 
         fuzz()
 

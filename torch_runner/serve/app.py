@@ -8,7 +8,7 @@ around any engine in tests and by the CLI alike. Auth guards `/v1/*` only: `/hea
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from torch_runner.serve.chat import create_chat_completion
 from torch_runner.serve.completions import create_completion
@@ -29,6 +29,13 @@ from torch_runner.serve.protocol import (
 from torch_runner.serve.state import ServingState
 
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+# generation also answers 500 (the model failed the request: non-finite logits) and, with
+# "stream": true, 200 as server-sent events
+GENERATION_RESPONSES = {
+    **ERROR_RESPONSES,
+    500: {"model": ErrorResponse},
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+}
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -56,7 +63,7 @@ def create_app(state: ServingState) -> FastAPI:
         }
         return JSONResponse(body)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -67,7 +74,7 @@ def create_app(state: ServingState) -> FastAPI:
     @app.post(
         "/v1/completions",
         response_model=CompletionResponse,
-        responses=ERROR_RESPONSES,
+        responses=GENERATION_RESPONSES,
     )
     async def completions(body: CompletionRequest, http: Request) -> Response:
         return await create_completion(state, body, http)
@@ -75,7 +82,7 @@ def create_app(state: ServingState) -> FastAPI:
     @app.post(
         "/v1/chat/completions",
         response_model=ChatCompletionResponse,
-        responses=ERROR_RESPONSES,
+        responses=GENERATION_RESPONSES,
     )
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         return await create_chat_completion(state, body, http)
