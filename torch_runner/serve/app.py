@@ -29,12 +29,19 @@ from torch_runner.serve.protocol import (
 from torch_runner.serve.state import ServingState
 
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+# one server-sent event: `data:` holds a JSON chunk (a *Response / chunk, or an error body) or
+# the final "[DONE]"
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
 # generation also answers 500 (the model failed the request: non-finite logits) and, with
 # "stream": true, 200 as server-sent events
 GENERATION_RESPONSES = {
     **ERROR_RESPONSES,
     500: {"model": ErrorResponse},
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
 }
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
