@@ -2,10 +2,10 @@
 
 Tokenizing a 7 MB prompt takes seconds, and on the loop it would stall every stream and
 `/health` for that long. So a large body's JSON is decoded in the pool (OffloadedJsonRoute), and
-each handler awaits `state.offload(fn, ...)` for tokenization, chat
-templating, building prompts x n choices (grammar compilation included: it walks the whole
-vocabulary for a new schema) and building large final responses (logprob tables, JSON). The
-loop only parses the body, awaits, and forwards stream increments.
+each handler awaits `state.offload(fn, ...)` for tokenization, chat templating, building
+prompts x n choices (grammar compilation included: it walks the whole vocabulary for a new
+schema) and building large final responses (logprob tables, JSON). The loop only validates the
+decoded body, awaits, and forwards stream increments. Measured: tools/bench_health.py.
 
 Threads, not processes: the tokenizers library releases the GIL while it encodes (measured: a
 5.5 s encode of 7 MB stalled a 1 ms ticker by 45 ms at most), jinja templates are milliseconds,
