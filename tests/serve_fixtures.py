@@ -155,6 +155,7 @@ class ThreadedServer:
         *,
         api_key: str | None = API_KEY,
         max_body_bytes: int = 8 << 20,
+        max_choices: int = 128,
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
         **engine_kwargs,
@@ -181,6 +182,7 @@ class ThreadedServer:
             model_name=MODEL_NAME,
             api_key=api_key,
             max_body_bytes=max_body_bytes,
+            max_choices=max_choices,
             chat_template=chat_template,
             tool_call_parser=tool_call_parser,
         )

@@ -11,7 +11,7 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from torch_runner.serve.errors import InvalidRequestError
 from torch_runner.serve.generation import (
@@ -21,6 +21,7 @@ from torch_runner.serve.generation import (
     usage_of,
 )
 from torch_runner.serve.logprobs import chat_logprobs
+from torch_runner.serve.offload import json_response
 from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
 from torch_runner.serve.params import chat_fields
 from torch_runner.serve.parsing import DeltaMessage, OutputParser
@@ -56,15 +57,24 @@ async def create_chat_completion(
     """Render messages with the chat template, fan out n choices; answer as JSON or SSE."""
     arrived_at = time.perf_counter()
     state.check_model(body.model)
-    fields = chat_fields(body, state.vocab_size)
+    fields = await state.offload(chat_fields, body, state.vocab_size)
     plan = plan_tools(body)
     _apply_tool_plan(state, plan, fields)
-    prompt_ids = chat_prompt(state.tokenizer, body.messages, plan.offered, state.chat_template)
+    prompt_ids = await state.offload(
+        chat_prompt, state.tokenizer, body.messages, plan.offered, state.chat_template
+    )
     max_name = _param_names(body)["max_tokens"]
     check_context(len(prompt_ids), fields["max_tokens"], state.max_model_len, "messages", max_name)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = state.build_choices(
-        request_id, [prompt_ids], fields, body.n, body.seed, _param_names(body), arrived_at
+    choices = await state.offload(
+        state.build_choices,
+        request_id,
+        [prompt_ids],
+        fields,
+        body.n,
+        body.seed,
+        _param_names(body),
+        arrived_at,
     )
     model = body.model or state.model_name
 
@@ -72,13 +82,15 @@ async def create_chat_completion(
         return await _stream(state, body, http, choices, request_id, model, plan)
     if not await run_choices(http, state.engine, choices, on_close=lambda: state.record(choices)):
         return Response(status_code=499)
-    response = ChatCompletionResponse(
-        id=request_id,
-        model=model,
-        choices=[_final_choice(state, body, choice, plan) for choice in choices],
-        usage=usage_of(choices),
+    response = await state.offload(
+        lambda: ChatCompletionResponse(
+            id=request_id,
+            model=model,
+            choices=[_final_choice(state, body, choice, plan) for choice in choices],
+            usage=usage_of(choices),
+        )
     )
-    return JSONResponse(response.model_dump())
+    return await state.offload(json_response, response)
 
 
 def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
