@@ -247,7 +247,6 @@ class StreamingToolParser:
     def __init__(self) -> None:
         self._num_calls = 0
         self._held_space = ""
-        self._has_content = False
 
     # subclasses: text in, a DeltaMessage out (through the helpers below)
     def _feed_text(self, text: str, out: DeltaMessage) -> None:
@@ -271,10 +270,7 @@ class StreamingToolParser:
         return out
 
     def parse(self, text: str, token_ids: list[int]) -> ParsedMessage:
-        parsed = accumulate([self.feed(text, token_ids), self.finish()])
-        if parsed.content is not None and not parsed.content.strip() and parsed.tool_calls:
-            parsed.content = None
-        return parsed
+        return accumulate([self.feed(text, token_ids), self.finish()])
 
     # helpers for subclasses
     def emit_content(self, text: str, out: DeltaMessage) -> None:
@@ -288,7 +284,6 @@ class StreamingToolParser:
             return
         out.content = (out.content or "") + self._held_space + body
         self._held_space = text[len(body) :]
-        self._has_content = True
 
     def drop_held_space(self) -> None:
         self._held_space = ""
