@@ -268,3 +268,25 @@ def test_random_marker_soup_streams_like_parse(name):
         cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
         assert _summary(_stream(make(), pieces)) == whole, (text, cuts)
+
+
+def test_only_auto_with_a_special_token_parser_keeps_special_tokens():
+    from types import SimpleNamespace
+
+    from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
+    from torch_runner.serve.tools import ToolPlan
+
+    functions = [{"name": "f"}]
+    mistral = SimpleNamespace(
+        tool_parser_name="mistral", reasoning_parser_name=None, tokenizer=None
+    )
+    hermes = SimpleNamespace(tool_parser_name="hermes", reasoning_parser_name=None, tokenizer=None)
+    assert keeps_special_tokens(mistral, ToolPlan(functions, "auto"))
+    assert not keeps_special_tokens(mistral, ToolPlan(functions, "required"))
+    assert not keeps_special_tokens(mistral, ToolPlan(functions, "none"))
+    assert not keeps_special_tokens(hermes, ToolPlan(functions, "auto"))
+    # forced calls on a Mistral model get Mistral-shaped ids (its template rejects others)
+    [call] = (
+        make_output_parser(mistral, ToolPlan(functions, "named", "f")).parse("{}", []).tool_calls
+    )
+    assert len(call.id) == 9 and call.id.isalnum()
