@@ -215,7 +215,8 @@ def _add_tool_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=tool_parser_names(),
         help="How tool calls are read from tool_choice=auto output (vLLM's names). Default: "
-        "from the model (model_type, chat template); hermes for a template without tools.",
+        "from the model (chat template markers, then model_type); hermes for a template "
+        "without tools.",
     )
     tools.add_argument(
         "--enable-auto-tool-choice",

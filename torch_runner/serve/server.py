@@ -22,7 +22,7 @@ def served_name(args: argparse.Namespace, engine: Any) -> str:
 
 
 def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str) -> str:
-    """Device, dtype, per-op backend, KV capacity and URL, in one block printed once."""
+    """Device, dtype, per-op backend, KV capacity, tool parser and URL, in one block printed once."""
     stats = state.engine_stats()
     ops = ", ".join(f"{name}={backend}" for name, backend in backends.items())
     auth = " (API key required)" if state.api_key else ""
@@ -33,6 +33,8 @@ def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str)
             f"  ops: {ops}",
             f"  KV capacity: {stats.get('kv_total_tokens')} tokens   max_model_len: {state.max_model_len}   "
             f"max_num_seqs: {engine.config.max_num_seqs}",
+            f"  tool-call parser: {state.tool_parser_name}"
+            + ("   chat template: --chat-template" if state.chat_template else ""),
             f"  listening on {url}/v1{auth}",
         ]
     )
