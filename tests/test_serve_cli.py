@@ -107,7 +107,7 @@ def test_mlx_gate_passes_on_cpu_then_the_model_is_resolved(run_main):
         "--model", MISSING_MODEL, "--device", "cpu", env={"TORCH_RUNNER_USE_MLX": "1"}
     )
     assert code == 2
-    assert "could not start the engine" in stderr and MISSING_MODEL in stderr
+    assert f"--model {MISSING_MODEL}: no such folder or file" in stderr
 
 
 # vLLM / SGLang spelling -> (our flag, a value, the namespace field it sets)
@@ -204,3 +204,36 @@ def test_trust_remote_code_is_refused_in_one_line():
     line = _one_error_line(_run_cli("--model", MISSING_MODEL, "--trust-remote-code"))
     assert "--trust-remote-code" in line and "remote" in line
     assert MISSING_MODEL not in line
+
+
+@pytest.fixture(scope="module")
+def hub_home(tmp_path_factory):
+    """A real-layout HF cache holding a tiny checkpoint as tiny-org/tiny-llama (main, v1)."""
+    from hf_cache import add_to_cache
+    from serve_fixtures import save_serve_checkpoint
+
+    root = tmp_path_factory.mktemp("hub")
+    checkpoint, _ = save_serve_checkpoint(root / "ckpt")
+    add_to_cache(root / "hf", "tiny-org/tiny-llama", checkpoint, refs=("main", "v1"))
+    (root / "bare").mkdir()
+    (root / "bare" / "config.json").write_text((checkpoint / "config.json").read_text())
+    return root
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (("--model", "other-org/not-cached"), "`hf download other-org/not-cached`"),
+        (("--model", "tiny-org/tiny-llama", "--revision", "nope"), "revision 'nope' is not in the Hugging Face cache"),
+        (("--model", "{root}/bare"), "has no *.safetensors weights"),
+        (("--model", "{root}/ckpt", "--revision", "main"), "--revision applies only to Hub model IDs"),
+        (("--revision", "main"), "--revision needs --model"),
+        (("--model", "{root}/ckpt", "--generation-config", "{root}/nowhere"), "--generation-config"),
+    ],
+)  # fmt: skip
+def test_bad_model_input_exits_2_in_one_line_before_loading(hub_home, flags, expected):
+    flags = tuple(f.replace("{root}", str(hub_home)) for f in flags)
+    env = {"HF_HOME": str(hub_home / "hf"), "HF_HUB_OFFLINE": "1"}
+    line = _one_error_line(_run_cli("--device", "cpu", *flags, env=env))
+    assert expected in line, line
+    assert "could not start the engine" not in line  # refused before the engine loads

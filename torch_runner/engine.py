@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from models import load_model
+from models.hub import resolve_model
 from ops.sampling.params import SamplingParams
 from torch_runner.config import EngineConfig
 from torch_runner.kv.block_manager import BlockManager
@@ -50,6 +51,12 @@ class Engine:
             from models.default_model import default_model_path
 
             path = str(default_model_path())
+        else:  # a Hub model ID becomes its cached snapshot folder; local paths are checked
+            path = str(
+                resolve_model(
+                    path, revision=config.revision, load_format=config.load_format, flag="model"
+                )
+            )
         self.config = config
         loaded = load_model(
             path, device=config.device, dtype=config.dtype, load_format=config.load_format

@@ -57,7 +57,13 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+        return ModelList(data=[state.model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        """The served model by its name or the 'default' alias; 404 (model_not_found) otherwise."""
+        state.check_model(model_id)
+        return state.model_card(model_id)
 
     @app.post(
         "/v1/completions",

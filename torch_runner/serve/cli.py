@@ -9,6 +9,7 @@ Every start-up error exits with status 2 and a message naming the flag.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -82,7 +83,36 @@ def main(argv: list[str] | None = None) -> None:
         config = engine_config(args)
     except ValueError as exc:
         _fail(f"invalid engine flag: {exc}")
+    try:
+        config, defaults = resolve_model_files(args, config)
+    except ValueError as exc:  # ModelLoadError included: one line, before anything loads
+        _fail(str(exc))
 
     from torch_runner.serve.server import run_server
 
-    run_server(args, config)
+    run_server(args, config, defaults)
+
+
+def resolve_model_files(args: argparse.Namespace, config):
+    """Hub IDs -> cached snapshot folders, local folders checked, sampling defaults read.
+
+    Returns the config with local paths and the `SamplingDefaults` (None for the embedded
+    default model: its folder is only known once it is converted, so the server reads them).
+    """
+    from models.hub import resolve_model, resolve_tokenizer
+    from torch_runner import SamplingParams
+    from torch_runner.serve.generation_defaults import load_sampling_defaults
+
+    model, tokenizer = config.model, config.tokenizer
+    if model is not None:
+        model = str(resolve_model(model, revision=args.revision, load_format=config.load_format))
+    elif args.revision is not None:
+        raise ValueError("--revision needs --model (a Hub model ID)")
+    if tokenizer is not None:
+        tokenizer = str(resolve_tokenizer(tokenizer, revision=args.tokenizer_revision))
+    elif args.tokenizer_revision is not None:
+        raise ValueError("--tokenizer-revision needs --tokenizer (a Hub model ID)")
+    defaults = None
+    if model is not None or args.generation_config != "auto":
+        defaults = load_sampling_defaults(args.generation_config, model, SamplingParams)
+    return dataclasses.replace(config, model=model, tokenizer=tokenizer), defaults

@@ -190,7 +190,13 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "torch_runner"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+    sampling_defaults: dict[str, Any] = Field(
+        default_factory=dict,
+        description="generation_config.json values applied when a request leaves them unset.",
+    )
 
 
 class ModelList(BaseModel):

@@ -7,12 +7,15 @@ import os
 import sys
 from typing import Any
 
+from torch_runner.serve.generation_defaults import SamplingDefaults, load_sampling_defaults
 from torch_runner.serve.state import DEFAULT_MODEL_ALIAS, ServingState
 
 
 def served_name(args: argparse.Namespace, engine: Any) -> str:
     if args.served_model_name:
         return args.served_model_name
+    if args.model and not os.path.exists(os.path.expanduser(args.model)):
+        return args.model  # a Hub ID is served under its own name, as vLLM does
     if args.model:
         return os.path.basename(os.path.normpath(args.model)) or args.model
     return getattr(engine, "model_name", None) or "SmolLM2-135M-Instruct"
@@ -28,6 +31,7 @@ def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str)
             f"torch_runner serve: model {state.model_name!r} (alias {DEFAULT_MODEL_ALIAS!r})",
             f"  device: {engine.device}   dtype: {str(engine.dtype).removeprefix('torch.')}",
             f"  ops: {ops}",
+            f"  sampling defaults: {state.sampling_defaults.describe()}",
             f"  KV capacity: {stats.get('kv_total_tokens')} tokens   max_model_len: {state.max_model_len}   "
             f"max_num_seqs: {engine.config.max_num_seqs}",
             f"  listening on {url}/v1{auth}",
@@ -36,10 +40,22 @@ def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str)
 
 
 def serving_state(
-    engine: Any, async_engine: Any, *, model_name: str, api_key: str | None, max_body_bytes: int
+    engine: Any,
+    async_engine: Any,
+    *,
+    model_name: str,
+    api_key: str | None,
+    max_body_bytes: int,
+    sampling_defaults: SamplingDefaults | None = None,
 ):
-    """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`."""
+    """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`.
+
+    `sampling_defaults` None reads the model folder's generation_config.json (`auto`).
+    """
     from torch_runner import SamplingParams
+
+    if sampling_defaults is None:
+        sampling_defaults = load_sampling_defaults("auto", engine.model_path, SamplingParams)
 
     return ServingState(
         engine=async_engine,
@@ -50,10 +66,14 @@ def serving_state(
         params_cls=SamplingParams,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
+        sampling_defaults=sampling_defaults,
+        eos_token_ids=frozenset(getattr(engine, "eos_token_ids", ())),
     )
 
 
-def run_server(args: argparse.Namespace, config: Any) -> None:
+def run_server(
+    args: argparse.Namespace, config: Any, sampling_defaults: SamplingDefaults | None = None
+) -> None:
     """Load the engine (after the CLI's MLX gate), print the banner, serve until interrupted."""
     import uvicorn
 
@@ -75,6 +95,7 @@ def run_server(args: argparse.Namespace, config: Any) -> None:
             model_name=served_name(args, engine),
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
+            sampling_defaults=sampling_defaults,
         )
         app = create_app(state)
         url = f"http://{args.host}:{args.port}"

@@ -8,9 +8,11 @@ from typing import Any
 
 from torch_runner.serve.errors import AuthenticationError, NotFoundError
 from torch_runner.serve.generation import Choice
+from torch_runner.serve.generation_defaults import SamplingDefaults
 from torch_runner.serve.logprobs import TokenTable
 from torch_runner.serve.metrics import ChoiceTracker, ServerMetrics
 from torch_runner.serve.params import expand_choices
+from torch_runner.serve.protocol import ModelCard
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MODEL_ALIAS = "default"
@@ -28,6 +30,8 @@ class ServingState:
     params_cls: type  # SamplingParams
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    eos_token_ids: frozenset[int] = frozenset()  # end-of-turn ids: never part of a message
     metrics: ServerMetrics = field(init=False)
     token_table: TokenTable = field(init=False)
 
@@ -51,6 +55,14 @@ class ServingState:
                 param="model",
                 code="model_not_found",
             )
+
+    def model_card(self, name: str | None = None) -> ModelCard:
+        return ModelCard(
+            id=name or self.model_name,
+            root=self.model_name,
+            max_model_len=self.max_model_len,
+            sampling_defaults=dict(self.sampling_defaults.values),
+        )
 
     def check_api_key(self, authorization: str | None) -> None:
         """With --api-key, `/v1/*` needs `Authorization: Bearer <key>` (constant-time compare)."""
@@ -76,6 +88,8 @@ class ServingState:
         arrived_at: float,
     ) -> list[Choice]:
         """prompts x n choices, OpenAI order: choice index = prompt index * n + i."""
+        # generation_config.json defaults fill what the request left unset (fields omits those)
+        fields = {**self.sampling_defaults.values, **fields}
         params = expand_choices(self.params_cls, fields, n, seed, param_names)
         choices = []
         for prompt_index, prompt_ids in enumerate(prompts):
