@@ -1,8 +1,9 @@
 """The FastAPI application: routes, auth, body limit, metrics and error handlers.
 
 `create_app(state)` takes a ready `ServingState` (engine already started), so the app can be built
-around any engine in tests and by the CLI alike. Auth guards `/v1/*` only: `/health` and
-`/metrics` stay open for load balancers and scrapers, as in vLLM and SGLang.
+around any engine in tests and by the CLI alike. Auth guards `/v1/*`, `/tokenize` and
+`/detokenize`: `/health` and `/metrics` stay open for load balancers and scrapers, as in vLLM
+and SGLang.
 """
 
 from __future__ import annotations
@@ -25,9 +26,18 @@ from torch_runner.serve.protocol import (
     ModelList,
 )
 from torch_runner.serve.state import ServingState
+from torch_runner.serve.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
 
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # --api-key; /health, /metrics stay open
 
 
 def create_app(state: ServingState) -> FastAPI:
@@ -65,6 +75,16 @@ def create_app(state: ServingState) -> FastAPI:
         state.check_model(model_id)
         return state.model_card(model_id)
 
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: a prompt or chat messages -> token ids, count, max_model_len."""
+        return tokenize(state, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's /detokenize: token ids -> the text (`prompt`)."""
+        return detokenize(state, body)
+
     @app.post(
         "/v1/completions",
         response_model=CompletionResponse,
@@ -83,7 +103,7 @@ def create_app(state: ServingState) -> FastAPI:
 
     # Last added runs first: metrics see every outcome, auth precedes reading the body.
     app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
-    app.add_middleware(ApiKeyGuard, check=state.check_api_key)
+    app.add_middleware(ApiKeyGuard, check=state.check_api_key, prefix=GUARDED_PREFIXES)
     app.add_middleware(
         RequestMetrics, observe=state.metrics.observe_request, paths=GENERATION_PATHS
     )

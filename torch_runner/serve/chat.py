@@ -14,7 +14,7 @@ from torch_runner.serve.generation import (
     run_choices,
     usage_of,
 )
-from torch_runner.serve.logprobs import chat_logprobs
+from torch_runner.serve.logprobs import chat_logprobs, message_token_count
 from torch_runner.serve.params import chat_fields
 from torch_runner.serve.prompts import chat_prompt, check_context
 from torch_runner.serve.protocol import (
@@ -74,11 +74,20 @@ def _logprobs(
     return ChoiceLogprobs(content=chat_logprobs(state.token_table, token_ids, entries))
 
 
+def _message_tokens(state: ServingState, choice: Choice) -> int:
+    return message_token_count(
+        choice.token_ids, choice.finish_reason, choice.params, state.eos_token_ids
+    )
+
+
 def _final_choice(state: ServingState, body: ChatCompletionRequest, choice: Choice) -> ChatChoice:
+    num_tokens = _message_tokens(state, choice)
     return ChatChoice(
         index=choice.index,
         message=ChatResponseMessage(content=choice.text),
-        logprobs=_logprobs(state, body, choice.token_ids, choice.logprobs),
+        logprobs=_logprobs(
+            state, body, choice.token_ids[:num_tokens], choice.logprobs[:num_tokens]
+        ),
         finish_reason=choice.finish_reason,
     )
 
@@ -107,7 +116,13 @@ async def _stream(
         if increment.is_empty:
             return
         delta = ChatDelta(content=increment.delta_text)
-        logprobs = _logprobs(state, body, increment.delta_token_ids, increment.delta_logprobs)
+        # pair each logprob entry with its own token (entries can trail the ids by an output),
+        # and leave out a final end-of-turn token (see _final_choice)
+        entries, start = increment.delta_logprobs, increment.logprob_start
+        if increment.is_final:
+            entries = entries[: max(0, _message_tokens(state, choice) - start)]
+        delta_ids = choice.token_ids[start : start + len(entries)]
+        logprobs = _logprobs(state, body, delta_ids, entries)
         yield chunk(
             [
                 ChatChunkChoice(

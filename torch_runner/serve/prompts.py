@@ -53,21 +53,33 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     return entry
 
 
-def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
-    """Render `messages` with the chat template (generation prompt appended) and tokenize."""
+def chat_prompt(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Render `messages` with the chat template and tokenize.
+
+    The template already writes the special tokens, so none are added again by default
+    (`add_special_tokens` is /tokenize's switch, as in vLLM).
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "this model's tokenizer has no chat template; use /v1/completions", param="messages"
         )
     try:
         text = tokenizer.apply_chat_template(
-            [_message_dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            [_message_dict(m) for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
     except Exception as exc:  # jinja raises its own errors for templates that reject a conversation
         raise InvalidRequestError(
             f"messages could not be rendered by the chat template: {exc}", param="messages"
         ) from None
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if not ids:
         raise InvalidRequestError("messages render to an empty prompt", param="messages")
     return ids

@@ -1,8 +1,10 @@
 """Pydantic request/response models mirroring OpenAI's API, so `/openapi.json` is real.
 
 Requests forbid unknown fields: a misspelt parameter is a 400 naming it, never silently ignored.
-The few extensions beyond OpenAI (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids) follow vLLM's names so existing clients can pass them through `extra_body`.
+The extensions beyond OpenAI (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, and request_fields.py's guided_* / skip_special_tokens / ...) follow vLLM's names
+so existing clients can pass them through `extra_body`; request_fields.py also holds OpenAI's
+newer Chat fields that are accepted without steering sampling.
 Ranges here are the documented ones; `SamplingParams` re-validates them (one source of truth for
 the engine, this one for the schema).
 """
@@ -14,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from torch_runner.serve.request_fields import OpenAIChatFields, VllmExtraFields
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -23,6 +27,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(
+        None, description="Ignored: chunks carry no obfuscation padding."
+    )
 
 
 class _SamplingFields(_Request):
@@ -54,7 +61,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, VllmExtraFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="A string, a list of strings, token ids, or a list of token-id lists."
     )
@@ -77,7 +84,7 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, VllmExtraFields, OpenAIChatFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(
         None, ge=1, description="Deprecated alias of max_completion_tokens."
