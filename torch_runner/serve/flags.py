@@ -188,6 +188,31 @@ def serving_flags(add: Adder, d: dict[str, Any]) -> None:
         help="Request body size limit (413 above it). Default: %(default)s.",
     )
     add("--log-level", default="info", choices=LOG_LEVELS, help="Default: %(default)s.")
+    _tool_flags(add)
+
+
+def _tool_flags(add: Adder) -> None:
+    """Chat template and tool calling (docs/serving.md#tools); vLLM lists these as serving flags."""
+    from torch_runner.serve.tool_parsers import tool_parser_names
+
+    add(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="A Jinja chat template file replacing the model's (tools reach it as `tools`).",
+    )
+    add(
+        "--tool-call-parser",
+        default=None,
+        choices=tool_parser_names(),
+        help="How tool calls are read from tool_choice=auto output (vLLM's names). Default: "
+        "from the model (model_type, chat template); hermes for a template without tools.",
+    )
+    add(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Accepted for vLLM compatibility; tool_choice=auto is always on.",
+    )
 
 
 def scheduling_flags(add: Adder, d: dict[str, Any]) -> None:

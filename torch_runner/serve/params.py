@@ -151,8 +151,6 @@ def check_chat_only_fields(request: ChatCompletionRequest) -> None:
 
 def chat_fields(request: ChatCompletionRequest, vocab_size: int) -> dict[str, Any]:
     check_chat_only_fields(request)
-    if request.tools:
-        raise InvalidRequestError("tools are not supported", param="tools")
     if request.top_logprobs and not request.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     fields = _common_fields(request, vocab_size)

@@ -39,6 +39,17 @@ def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str)
     )
 
 
+def read_chat_template(path: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja chat template."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise ValueError(f"--chat-template {path!r} cannot be read: {exc}") from None
+
+
 def serving_state(
     engine: Any,
     async_engine: Any,
@@ -46,17 +57,24 @@ def serving_state(
     model_name: str,
     api_key: str | None,
     max_body_bytes: int,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
     sampling_defaults: SamplingDefaults | None = None,
 ):
     """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`.
 
-    `sampling_defaults` None reads the model folder's generation_config.json (`auto`).
+    The tool-call parser is `tool_call_parser` when given, else picked from the model
+    (model_type, then the chat template; see serve/output_parsers.py). `sampling_defaults`
+    None reads the model folder's generation_config.json (`--generation-config auto`).
     """
     from torch_runner import SamplingParams
+    from torch_runner.serve.output_parsers import default_tool_parser_name
 
+    model_type = getattr(getattr(engine, "args", None), "model_type", None)
+    template = chat_template or getattr(engine.tokenizer, "chat_template", None)
+    parser = tool_call_parser or default_tool_parser_name(model_type, template)
     if sampling_defaults is None:
         sampling_defaults = load_sampling_defaults("auto", engine.model_path, SamplingParams)
-
     return ServingState(
         engine=async_engine,
         tokenizer=engine.tokenizer,
@@ -66,6 +84,9 @@ def serving_state(
         params_cls=SamplingParams,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
+        model_type=model_type,
+        chat_template=chat_template,
+        tool_parser_name=parser,
         sampling_defaults=sampling_defaults,
         eos_token_ids=frozenset(getattr(engine, "eos_token_ids", ())),
     )
@@ -82,6 +103,7 @@ def run_server(
     from torch_runner.serve.app import create_app
 
     try:
+        chat_template = read_chat_template(args.chat_template)
         engine = Engine.from_config(config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: could not start the engine: {exc}", file=sys.stderr)
@@ -95,6 +117,8 @@ def run_server(
             model_name=served_name(args, engine),
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
+            chat_template=chat_template,
+            tool_call_parser=args.tool_call_parser,
             sampling_defaults=sampling_defaults,
         )
         app = create_app(state)
