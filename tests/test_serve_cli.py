@@ -120,6 +120,7 @@ ALIASES = (
     ("--max-running-requests", "--max-num-seqs", "3", "max_num_seqs", 3),
     ("--model-path", "--model", "/some/folder", "model", "/some/folder"),
     ("--tokenizer-path", "--tokenizer", "/some/tok", "tokenizer", "/some/tok"),
+    ("--uvicorn-log-level", "--log-level", "debug", "log_level", "debug"),
 )  # fmt: skip
 
 
@@ -149,6 +150,11 @@ def test_prefix_caching_spellings(flags, expected):
     from torch_runner.serve.cli import engine_config
 
     assert engine_config(args).enable_prefix_caching is expected
+
+
+def test_disable_cuda_graph_is_enforce_eager():
+    assert build_parser().parse_args(["--disable-cuda-graph"]).enforce_eager is True
+    assert build_parser().parse_args([]).enforce_eager is False
 
 
 def test_help_groups_flags_like_vllm(capsys):

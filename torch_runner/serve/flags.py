@@ -14,7 +14,10 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from torch_runner.serve.flag_actions import Adder, FlagConflict, adder, flag_const
 from torch_runner.serve.state import DEFAULT_MAX_BODY_BYTES
+
+__all__ = ["FlagConflict", "build_parser"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -49,52 +52,6 @@ examples:
   python -m torch_runner.serve --model ./Qwen3-0.6B --dtype bfloat16 --api-key s3cret
   TORCH_RUNNER_USE_MLX=1 TORCH_RUNNER_MLX_OPS=attention python -m torch_runner.serve --device cpu
 """
-
-
-class FlagConflict(Exception):
-    """Two spellings of one setting were given with different values."""
-
-
-class _Once(argparse.Action):
-    """`store` (or, with nargs=0, `store_const`) that refuses a conflicting second spelling.
-
-    The option string and value that set each destination are kept on the namespace, so
-    `--seed 1 --random-seed 1` passes and `--seed 1 --random-seed 2` is a FlagConflict.
-    """
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        value = self.const if self.nargs == 0 else values
-        sources = namespace.__dict__.setdefault("_flag_sources", {})
-        previous = sources.get(self.dest)
-        if previous is not None and previous[0] != option_string and previous[1] != value:
-            raise FlagConflict(
-                f"{_shown(option_string, value, self.nargs)} conflicts with "
-                f"{_shown(*previous, self.nargs)}: both set {self.dest}; pass only one of them"
-            )
-        sources[self.dest] = (option_string, value)
-        setattr(namespace, self.dest, value)
-
-
-def _shown(option: str, value: Any, nargs: Any) -> str:
-    return option if nargs == 0 else f"{option} {value}"
-
-
-Adder = Callable[..., argparse.Action]
-
-
-def _adder(group: argparse._ArgumentGroup) -> Adder:
-    """`add(*names, **kwargs)`: store flags (and aliases) go through `_Once`."""
-
-    def add(*names: str, **kwargs: Any) -> argparse.Action:
-        if kwargs.get("action") in (None, "store"):
-            kwargs["action"] = _Once
-        return group.add_argument(*names, **kwargs)
-
-    return add
-
-
-def _flag_const(add: Adder, *names: str, dest: str, const: Any, help: str) -> None:
-    add(*names, dest=dest, action=_Once, nargs=0, const=const, default=argparse.SUPPRESS, help=help)
 
 
 def model_flags(add: Adder, d: dict[str, Any]) -> None:
@@ -150,6 +107,7 @@ def model_flags(add: Adder, d: dict[str, Any]) -> None:
     )
     add(
         "--enforce-eager",
+        "--disable-cuda-graph",
         action="store_true",
         help="Never capture CUDA graphs for decode (CUDA only; other devices always run eagerly).",
     )
@@ -187,7 +145,13 @@ def serving_flags(add: Adder, d: dict[str, Any]) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         help="Request body size limit (413 above it). Default: %(default)s.",
     )
-    add("--log-level", default="info", choices=LOG_LEVELS, help="Default: %(default)s.")
+    add(
+        "--log-level",
+        "--uvicorn-log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="Default: %(default)s.",
+    )
     _tool_flags(add)
 
 
@@ -243,14 +207,14 @@ def scheduling_flags(add: Adder, d: dict[str, Any]) -> None:
         default=d["chunked_prefill_size"],
         help="Per-step prefill token budget; 0 disables chunking. Default: %(default)s.",
     )
-    _flag_const(
+    flag_const(
         add,
         "--enable-prefix-caching",
         dest="enable_prefix_caching",
         const=True,
         help="Keep the radix prefix cache on (the default).",
     )
-    _flag_const(
+    flag_const(
         add,
         "--disable-prefix-caching",
         "--no-enable-prefix-caching",
@@ -322,5 +286,5 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.set_defaults(enable_prefix_caching=defaults["enable_prefix_caching"])
     for title, description, add_flags in GROUPS:
-        add_flags(_adder(parser.add_argument_group(title, description)), defaults)
+        add_flags(adder(parser.add_argument_group(title, description)), defaults)
     return parser
