@@ -187,6 +187,39 @@ def test_typos_are_still_a_400_naming_the_field(client, field, endpoint):
     assert field in info.value.body["message"] and info.value.body["param"] == field
 
 
+def test_history_refusals_render_as_text(server, client, tokenizer):
+    refused = [*MESSAGES, {"role": "assistant", "content": None, "refusal": "I can't."}]
+    as_text = [*MESSAGES, {"role": "assistant", "content": "I can't."}]
+    parts = [
+        *MESSAGES,
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+    ]
+    expected = tokenizer.apply_chat_template(as_text, tokenize=False, add_generation_prompt=True)
+    for messages in (refused, parts):
+        body = _post(server, "/tokenize", {"messages": messages}).json()
+        assert body["tokens"] == tokenizer.encode(expected, add_special_tokens=False)
+        assert _chat(client, messages=messages, temperature=0.0).choices[0].finish_reason
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                      {"type": "image_url", "image_url": {"url": "data:,"}}]},
+         "messages.0.content.1.type"),
+        ({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]},
+         "messages.0.content.0.type"),
+        ({"role": "assistant", "content": None, "audio": {"id": "audio_1"}}, "messages.0.audio"),
+    ],
+)  # fmt: skip
+def test_non_text_message_parts_are_a_400_naming_them(server, client, message, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(client, messages=[message])
+    assert info.value.body["param"] == param, info.value.body
+    response = _post(server, "/tokenize", {"messages": [message]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
 # ----------------------------------------------------------------------------- vLLM extras
 
 

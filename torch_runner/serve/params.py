@@ -136,11 +136,32 @@ REFUSED_UNLESS_NULL = {
 }
 
 
+def check_message_fields(i: int, message: Any) -> None:
+    """Image/audio/file parts and assistant audio or function_call: 400 naming the field."""
+    for name in ("audio", "function_call"):
+        if getattr(message, name) is not None:
+            reason = "audio is not supported" if name == "audio" else "deprecated; send tool_calls"
+            raise InvalidRequestError(
+                f"messages.{i}.{name}: {reason}; allowed value: null", param=f"messages.{i}.{name}"
+            )
+    if message.refusal is not None and message.content is None:
+        message.content = message.refusal  # the refused turn renders as its text
+    for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+        if part.type in ("image_url", "input_audio", "file"):
+            raise InvalidRequestError(
+                f"messages.{i}.content.{j}: {part.type} content is not supported (text-only "
+                "models); allowed part types: text, refusal",
+                param=f"messages.{i}.content.{j}.type",
+            )
+
+
 def check_chat_only_fields(request: ChatCompletionRequest) -> None:
     """`modalities` must be text only; the REFUSED_UNLESS_NULL fields must be absent or null."""
     for name, reason in REFUSED_UNLESS_NULL.items():
         if getattr(request, name) is not None:
             raise InvalidRequestError(f"{reason}; allowed value: null", param=name)
+    for i, message in enumerate(request.messages):
+        check_message_fields(i, message)
     if request.modalities is not None and request.modalities != ["text"]:
         others = [m for m in request.modalities if m != "text"]
         raise InvalidRequestError(

@@ -16,7 +16,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from torch_runner.serve.request_fields import OpenAIChatFields, VllmExtraFields
+from torch_runner.serve.request_fields import (
+    MediaContentPart,
+    MessageExtraFields,
+    OpenAIChatFields,
+    RefusalContentPart,
+    VllmExtraFields,
+)
 
 MAX_TOP_LOGPROBS = 20
 
@@ -90,9 +96,9 @@ class MessageToolCall(_Request):
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(_Request, MessageExtraFields):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart | RefusalContentPart | MediaContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = Field(None, description="role tool: the id of the call answered.")
     tool_calls: list[MessageToolCall] | None = Field(None, description="role assistant only.")

@@ -10,13 +10,41 @@ top-level names stay a 400 (`extra="forbid"`), so typos are still caught.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Fields(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class RefusalContentPart(_Fields):
+    """An assistant turn of the history that refused: its text renders like content."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+class MediaContentPart(BaseModel):
+    """Image, audio and file parts: parsed so the 400 can name them (text-only models)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file"]
+
+
+class MessageExtraFields(_Fields):
+    """Message fields of the reference beyond role/content/name/tool calls."""
+
+    refusal: str | None = Field(None, description="assistant: a refusal; rendered as its text.")
+    audio: dict[str, Any] | None = Field(None, description="assistant: refused unless null.")
+    function_call: dict[str, Any] | None = Field(
+        None, description="assistant (deprecated): refused unless null; send tool_calls."
+    )
 
 
 class VllmExtraFields(_Fields):

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from torch_runner.serve.errors import InvalidRequestError
+from torch_runner.serve.params import check_message_fields
 from torch_runner.serve.prompts import chat_prompt
 from torch_runner.serve.protocol import ChatMessage
 
@@ -57,6 +58,8 @@ def tokenize(state: Any, body: TokenizeRequest) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
+        for i, message in enumerate(body.messages):
+            check_message_fields(i, message)
         tokens = chat_prompt(
             state.tokenizer,
             body.messages,
