@@ -36,6 +36,8 @@ MODEL_FILES = (
 TOKENIZER_FILES = tuple(p for p in MODEL_FILES if "safetensors" not in p and p != "config.json")
 TOKENIZER_FILES += ("config.json",)  # AutoTokenizer reads model_type from it
 GGUF_SUFFIX = ".gguf"
+# any one of these makes a folder a tokenizer AutoTokenizer can load (config.json is optional)
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def resolve_model(
@@ -111,6 +113,12 @@ def _check_local(path: Path, flag: str, *, needs_weights: bool, hub_id: str | No
         if path.suffix == GGUF_SUFFIX:
             return path
         raise ModelLoadError(f"{flag} {where} is a file; expected a model folder or a .gguf file")
+    if flag.lstrip("-") == "tokenizer":
+        if not any((path / name).is_file() for name in TOKENIZER_MARKERS):
+            raise ModelLoadError(
+                f"{flag} {where} holds no tokenizer ({', '.join(TOKENIZER_MARKERS)})"
+            )
+        return path
     if not (path / "config.json").is_file():
         ggufs = sorted(p.name for p in path.glob(f"*{GGUF_SUFFIX}"))
         hint = f"; for a GGUF checkpoint pass the file ({ggufs[0]})" if ggufs else ""

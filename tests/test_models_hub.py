@@ -121,6 +121,15 @@ def test_local_folder_is_checked_not_copied(checkpoint, tmp_path):
         resolve_model(checkpoint, revision="main")
 
 
+def test_tokenizer_folder_needs_no_config_but_a_tokenizer(checkpoint, tmp_path):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    with pytest.raises(ModelLoadError, match="holds no tokenizer"):
+        resolve_tokenizer(folder)
+    (folder / "tokenizer.json").write_text((checkpoint / "tokenizer.json").read_text())
+    assert resolve_tokenizer(folder) == folder
+
+
 def test_gguf_file_passes_through(tmp_path):
     gguf = tmp_path / "model.Q4_1.gguf"
     gguf.write_bytes(b"GGUF")
