@@ -353,6 +353,23 @@ def test_tokenize_messages_matches_the_chat_template(server, tokenizer):
         assert body["tokens"] == tokenizer.encode(text, add_special_tokens=False)
 
 
+def test_continue_final_message_and_add_generation_prompt(server, client, tokenizer):
+    started = [*MESSAGES, {"role": "assistant", "content": "Well, the"}]
+    text = tokenizer.apply_chat_template(started, tokenize=False, continue_final_message=True)
+    assert text.endswith("Well, the")
+    expected = tokenizer.encode(text, add_special_tokens=False)
+    body = {"messages": started, "continue_final_message": True}
+    assert _post(server, "/tokenize", body).json()["tokens"] == expected
+    reply = _chat(client, messages=started, extra_body={"continue_final_message": True})
+    assert reply.usage.prompt_tokens == len(expected)
+    closed = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
+    reply = _chat(client, extra_body={"add_generation_prompt": False})
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(closed, add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(client, extra_body={"continue_final_message": True})  # last message is the user's
+    assert info.value.body["param"] == "continue_final_message"
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [

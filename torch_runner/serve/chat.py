@@ -59,7 +59,14 @@ async def create_chat_completion(
     fields = chat_fields(body, state.vocab_size)
     plan = plan_tools(body)
     _apply_tool_plan(state, plan, fields)
-    prompt_ids = chat_prompt(state.tokenizer, body.messages, plan.offered, state.chat_template)
+    prompt_ids = chat_prompt(
+        state.tokenizer,
+        body.messages,
+        plan.offered,
+        state.chat_template,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+    )
     max_name = _param_names(body)["max_tokens"]
     check_context(len(prompt_ids), fields["max_tokens"], state.max_model_len, "messages", max_name)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

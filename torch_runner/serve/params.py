@@ -155,6 +155,17 @@ def check_message_fields(i: int, message: Any) -> None:
             )
 
 
+def check_continuation(request: Any) -> None:
+    """continue_final_message continues an assistant message: it must be last (vLLM's rule)."""
+    if not request.continue_final_message:
+        return
+    if request.messages and request.messages[-1].role != "assistant":
+        raise InvalidRequestError(
+            "continue_final_message needs the last message to be the assistant's",
+            param="continue_final_message",
+        )
+
+
 def check_chat_only_fields(request: ChatCompletionRequest) -> None:
     """`modalities` must be text only; the REFUSED_UNLESS_NULL fields must be absent or null."""
     for name, reason in REFUSED_UNLESS_NULL.items():
@@ -162,6 +173,7 @@ def check_chat_only_fields(request: ChatCompletionRequest) -> None:
             raise InvalidRequestError(f"{reason}; allowed value: null", param=name)
     for i, message in enumerate(request.messages):
         check_message_fields(i, message)
+    check_continuation(request)
     if request.modalities is not None and request.modalities != ["text"]:
         others = [m for m in request.modalities if m != "text"]
         raise InvalidRequestError(

@@ -56,6 +56,7 @@ def chat_prompt(
     chat_template: str | None = None,
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     add_special_tokens: bool = False,
 ) -> list[int]:
     """Render `messages` (and `tools`) with the chat template and tokenize.
@@ -63,7 +64,8 @@ def chat_prompt(
     `chat_template` (--chat-template) replaces the tokenizer's. A template without tool support
     gets the default tool prompt (serve/tool_prompt.py). The template already writes the special
     tokens, so none are added again by default (`add_special_tokens` is /tokenize's switch, as
-    in vLLM).
+    in vLLM). `continue_final_message` (vLLM's) leaves the last assistant message open so the
+    model continues it, instead of starting a new turn.
     """
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -79,7 +81,11 @@ def chat_prompt(
         entries = with_default_tool_prompt(entries, tools)
     try:
         text = tokenizer.apply_chat_template(
-            entries, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            entries,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **kwargs,
         )
     except Exception as exc:  # jinja raises its own errors for templates that reject a conversation
         raise InvalidRequestError(

@@ -21,6 +21,7 @@ from torch_runner.serve.request_fields import (
     MessageExtraFields,
     OpenAIChatFields,
     RefusalContentPart,
+    VllmChatFields,
     VllmExtraFields,
 )
 
@@ -116,7 +117,7 @@ class ToolDefinition(_Request):
     function: FunctionDefinition
 
 
-class ChatCompletionRequest(_SamplingFields, VllmExtraFields, OpenAIChatFields):
+class ChatCompletionRequest(_SamplingFields, VllmExtraFields, VllmChatFields, OpenAIChatFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(
         None, ge=1, description="Deprecated alias of max_completion_tokens."

@@ -74,6 +74,15 @@ class VllmExtraFields(_Fields):
     )
 
 
+class VllmChatFields(_Fields):
+    """vLLM's chat-template switches (chat endpoint and /tokenize with messages)."""
+
+    add_generation_prompt: bool = Field(True, description="Open a new assistant turn.")
+    continue_final_message: bool = Field(
+        False, description="Continue the last (assistant) message instead of opening a turn."
+    )
+
+
 class OpenAIChatFields(_Fields):
     """Chat Completions fields that do not steer sampling here (see docs/serving.md)."""
 

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from torch_runner.serve.errors import InvalidRequestError
-from torch_runner.serve.params import check_message_fields
+from torch_runner.serve.params import check_continuation, check_message_fields
 from torch_runner.serve.prompts import chat_prompt
 from torch_runner.serve.protocol import ChatMessage
 
@@ -32,6 +32,7 @@ class TokenizeRequest(BaseModel):
         None, description="Default: true for a prompt, false for messages (the template adds them)."
     )
     add_generation_prompt: bool = Field(True, description="messages only.")
+    continue_final_message: bool = Field(False, description="messages only.")
     return_token_strs: bool = False
 
 
@@ -60,10 +61,12 @@ def tokenize(state: Any, body: TokenizeRequest) -> TokenizeResponse:
     if body.messages is not None:
         for i, message in enumerate(body.messages):
             check_message_fields(i, message)
+        check_continuation(body)
         tokens = chat_prompt(
             state.tokenizer,
             body.messages,
             add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
             add_special_tokens=bool(body.add_special_tokens),
         )
     else:
