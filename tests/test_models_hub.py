@@ -161,3 +161,16 @@ def test_hub_id_shape(name, expected):
 def test_missing_path_is_not_taken_for_a_hub_id():
     with pytest.raises(ModelLoadError, match="no such folder or file"):
         resolve_model("/nonexistent/folder")
+
+
+def test_engine_takes_a_hub_id_and_revision(hub):
+    from torch_runner import Engine, SamplingParams
+
+    _, snapshot = hub
+    engine = Engine(model=REPO, revision="v1", device="cpu", max_total_tokens=256)
+    assert engine.model_path == str(snapshot.resolve())
+    local = Engine(model=str(snapshot), device="cpu", max_total_tokens=256)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    (from_hub,) = engine.generate(["Hello"], params)
+    (from_folder,) = local.generate(["Hello"], params)
+    assert from_hub.token_ids == from_folder.token_ids
