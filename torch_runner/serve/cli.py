@@ -2,8 +2,10 @@
 
 Order matters: the MLX runtime gate (`use_mlx()`, then `validate_device(resolve_device(...))`)
 runs before the model path is resolved or a weight is read, so a broken MLX install or an
-MLX-incompatible device fails in one line, in a second, not after loading a checkpoint.
-Every start-up error exits with status 2 and a message naming the flag.
+MLX-incompatible device fails in one line, in a second, not after loading a checkpoint. Then
+`resolve_model_files` turns a Hub ID into its cached snapshot (models/hub.py), checks a local
+folder, and reads the --generation-config defaults, all before a weight is read.
+Every start-up error exits with status 2 and one line naming the flag.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ __all__ = ["FlagConflict", "build_parser"]
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder / file path
 
 DESCRIPTION = (
     "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
