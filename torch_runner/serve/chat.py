@@ -20,7 +20,7 @@ from torch_runner.serve.generation import (
     run_choices,
     usage_of,
 )
-from torch_runner.serve.logprobs import chat_logprobs
+from torch_runner.serve.logprobs import chat_logprobs, message_token_count
 from torch_runner.serve.offload import json_response
 from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
 from torch_runner.serve.params import chat_fields
@@ -61,7 +61,13 @@ async def create_chat_completion(
     plan = plan_tools(body)
     _apply_tool_plan(state, plan, fields)
     prompt_ids = await state.offload(
-        chat_prompt, state.tokenizer, body.messages, plan.offered, state.chat_template
+        chat_prompt,
+        state.tokenizer,
+        body.messages,
+        plan.offered,
+        state.chat_template,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
     )
     max_name = _param_names(body)["max_tokens"]
     check_context(len(prompt_ids), fields["max_tokens"], state.max_model_len, "messages", max_name)
@@ -123,10 +129,17 @@ def _logprobs(
     return ChoiceLogprobs(content=chat_logprobs(state.token_table, token_ids, entries))
 
 
+def _message_tokens(state: ServingState, choice: Choice) -> int:
+    return message_token_count(
+        choice.token_ids, choice.finish_reason, choice.params, state.eos_token_ids
+    )
+
+
 def _final_choice(
     state: ServingState, body: ChatCompletionRequest, choice: Choice, plan: ToolPlan
 ) -> ChatChoice:
     parsed = _parser(state, plan).parse(choice.text, choice.token_ids)
+    num_tokens = _message_tokens(state, choice)
     calls = [
         ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
         for c in parsed.tool_calls
@@ -139,7 +152,9 @@ def _final_choice(
     return ChatChoice(
         index=choice.index,
         message=message,
-        logprobs=_logprobs(state, body, choice.token_ids, choice.logprobs),
+        logprobs=_logprobs(
+            state, body, choice.token_ids[:num_tokens], choice.logprobs[:num_tokens]
+        ),
         finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
     )
 
@@ -203,7 +218,13 @@ async def _stream(
         if message.is_empty and increment.finish_reason is None and not body.logprobs:
             return  # held back by the parser (a partial tag); nothing to send yet
         delta = _delta(message)
-        logprobs = _logprobs(state, body, increment.delta_token_ids, increment.delta_logprobs)
+        # pair each logprob entry with its own token (entries can trail the ids by an output),
+        # and leave out a final end-of-turn token (see _final_choice)
+        entries, start = increment.delta_logprobs, increment.logprob_start
+        if increment.is_final:
+            entries = entries[: max(0, _message_tokens(state, choice) - start)]
+        delta_ids = choice.token_ids[start : start + len(entries)]
+        logprobs = _logprobs(state, body, delta_ids, entries)
         yield chunk(
             [
                 ChatChunkChoice(
