@@ -7,7 +7,7 @@ greedy tokens. On CUDA, graph replay must equal the eager engine.
 
 import pytest
 import torch
-from engine_helpers import hf_greedy, run_staggered
+from engine_helpers import hf_greedy, run_staggered, save_engine_checkpoint
 
 from torch_runner import Engine, SamplingParams
 from torch_runner.runner.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
@@ -155,3 +155,38 @@ def test_cuda_graphs_captured_on_the_server_thread_equal_eager(llama):
         server.shutdown()
     assert server.engine.runner.decode_graphs.graphs  # decode really replayed graphs
     assert streamed == [o.token_ids for o in eager]
+
+
+FAMILIES = ("gpt_oss", "qwen3_moe", "mistral")  # sinks + SWA + MoE, MoE (+ SWA), SWA
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    path, hf = save_engine_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    return path, hf.eval()
+
+
+def test_paged_windows_static_decode_equals_transformers(family):
+    """SWA layers in the pool (swa_kv='paged', what CUDA graphs use) through the static decode,
+    run eagerly on CPU: transformers' greedy tokens for every family."""
+    path, hf = family
+    engine = _engine(path, swa_kv="paged")
+    assert engine.runner.layout.swa_layers == ()
+    _static(engine)
+    outputs = _run(engine)
+    for prompt, tokens, m in zip(PROMPTS, outputs, MAX_TOKENS):
+        assert tokens == hf_greedy(hf, prompt, m), prompt
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_cover_every_family_and_equal_the_windowed_eager_engine(family):
+    path, hf = family
+    windowed = _run(_engine(path, device="cuda", enforce_eager=True, swa_kv="windowed"))
+    engine = _engine(path, device="cuda", cuda_graph_max_bs=8)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.capture  # SWA, sinks and MoE are captured
+    graphs.min_keys = 8
+    assert _run(engine) == windowed
+    assert len(graphs.graphs) >= 4
+    for prompt, tokens, m in zip(PROMPTS, windowed, MAX_TOKENS):
+        assert tokens == hf_greedy(hf, prompt, m), prompt

@@ -105,7 +105,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.deterministic = config.enable_deterministic_inference
         self.vocab_size = self.args.vocab_size
-        self.layout = CacheLayout(tuple(self.args.layer_types), self.args.sliding_window)
+        self.layout = CacheLayout(
+            tuple(self.args.layer_types),
+            self.args.sliding_window,
+            page_windows=self.pages_windows(config, device),
+        )
         self.full_layers = self.layout.full_layers
         self.swa_layers = self.layout.swa_layers
         self.pool = PagedKVPool(
@@ -121,7 +125,7 @@ class ModelRunner:
         self.swa_caches: dict[str, list[WindowedKVCache]] = {}
         # pure-decode groups replay a CUDA graph (None: eager; see cuda_graphs.py)
         self.decode_graphs = DecodeGraphs.for_runner(
-            self.model, self.args, self.pool, self.full_layers, config, device
+            self.model, self.layout, self.pool, config, device
         )
         # CPU decode steps skip module dispatch (cpu_decode.py); the same ops and values
         self.fast_decode = None
@@ -131,8 +135,15 @@ class ModelRunner:
         self.generator.manual_seed(config.random_seed)
 
     @staticmethod
-    def kv_bytes_per_token(args, dtype: torch.dtype) -> int:
-        layout = CacheLayout(tuple(args.layer_types), args.sliding_window)
+    def pages_windows(config, device: torch.device) -> bool:
+        """SWA layers in the pool (config.swa_kv; "auto": on CUDA, where graphs need it)."""
+        if config.swa_kv == "auto":
+            return torch.device(device).type == "cuda"
+        return config.swa_kv == "paged"
+
+    @staticmethod
+    def kv_bytes_per_token(args, dtype: torch.dtype, page_windows: bool = False) -> int:
+        layout = CacheLayout(tuple(args.layer_types), args.sliding_window, page_windows)
         return PagedKVPool.bytes_per_token(
             len(layout.full_layers), args.num_key_value_heads, args.head_dim, dtype
         )
