@@ -10,9 +10,10 @@ Each family routes (router logits -> top-k ids and weights) and then runs its ex
 one of two formulations with the same maths:
 - `_looped_experts` (CPU, the reference): one matmul per hit expert over the tokens routed to
   it. It reads each needed expert once, but finding the hit experts reads counts on the host.
-- `_grouped_experts` (CUDA): token/expert pairs sorted by expert, two `torch._grouped_mm`
-  calls over row offsets that stay on the device. No host sync, fixed shapes for a given token
-  count, so a decode step with MoE layers can be captured in a CUDA graph.
+- `_grouped_experts` (CUDA, bf16): token/expert pairs sorted by expert, two
+  `torch._grouped_mm` calls over row offsets that stay on the device. No host sync, fixed
+  shapes for a given token count, so a decode step with MoE layers can be captured in a CUDA
+  graph. Other CUDA dtypes take `_dense_experts` (every expert on every token, also sync-free).
 """
 
 from __future__ import annotations
@@ -80,14 +81,36 @@ def _grouped_experts(x, top_idx, scores, w_in, b_in, w_out, b_out, act, *, trans
     return pairs.view(t, k, -1).sum(dim=1).to(x.dtype)  # [T, H], fixed summation order
 
 
+def _dense_experts(x, top_idx, scores, w_in, b_in, w_out, b_out, act, *, transposed: bool):
+    """Every expert on every token, weighted by the routing (zero off the top-k): E/k times the
+    FLOPs, no host sync. For CUDA dtypes the grouped GEMM does not take in a capturable way
+    (its fp32 fallback reads the offsets on the host): fp32 tests and small models."""
+    t, e = x.shape[0], w_in.shape[0]
+    if transposed:
+        w_in, w_out = w_in.transpose(1, 2), w_out.transpose(1, 2)
+    h = torch.matmul(x[None], w_in)  # [E, T, 2I]
+    if b_in is not None:
+        h = h + b_in[:, None]
+    h = act(h.reshape(e * t, -1)).view(e, t, -1)  # [E, T, I]
+    y = torch.matmul(h, w_out)  # [E, T, H]
+    if b_out is not None:
+        y = y + b_out[:, None]
+    weights = torch.zeros(t, e, dtype=y.dtype, device=x.device)
+    weights.scatter_(1, top_idx, scores.to(y.dtype))  # [T, E], zero off the top-k
+    return torch.einsum("te,eth->th", weights, y).to(x.dtype)
+
+
 def _experts_for(x: torch.Tensor) -> Callable:
-    """The formulation for x's device: grouped GEMMs on CUDA, the reference loop elsewhere."""
-    return _grouped_experts if x.is_cuda and HAS_GROUPED_MM else _looped_experts
+    """The formulation for x: grouped GEMMs for bf16 on CUDA, every expert densely for other
+    CUDA dtypes, the reference loop elsewhere."""
+    if not x.is_cuda:
+        return _looped_experts
+    return _grouped_experts if HAS_GROUPED_MM and x.dtype == torch.bfloat16 else _dense_experts
 
 
 def is_capturable(device: torch.device) -> bool:
     """True when the MoE ops run without a host sync on `device` (CUDA-graph safe)."""
-    return torch.device(device).type == "cuda" and HAS_GROUPED_MM
+    return torch.device(device).type == "cuda"
 
 
 def check_tokens(name: str, x: torch.Tensor, top_k: int, num_experts: int) -> None:

@@ -135,14 +135,35 @@ def test_grouped_experts_equal_transformers(monkeypatch, family, num_tokens):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", sorted(CASES))
-def test_cuda_moe_equals_transformers_and_replays_in_a_graph(family):
+@pytest.mark.parametrize("num_tokens", [1, 13])
+def test_dense_experts_equal_transformers(monkeypatch, family, num_tokens):
+    """The every-expert formulation (CUDA, non-bf16) on CPU: same function as the HF block."""
     make, op = CASES[family]
-    want, args, kwargs = make(13, device="cuda")
+    want, args, kwargs = make(num_tokens)
+    monkeypatch.setattr(moe_ops, "_experts_for", lambda x: moe_ops._dense_experts)
+    torch.testing.assert_close(op(*args, **kwargs), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_cuda_moe_equals_the_loop_and_replays_in_a_graph(monkeypatch, family, dtype):
+    """CUDA (grouped GEMMs for bf16, dense for fp32) against the reference loop on the same
+    device and dtype, then captured in a CUDA graph and replayed on new inputs."""
+    make, op = CASES[family]
+    _, args, kwargs = make(13, device="cuda")
+    args = tuple(a.detach().to(dtype) for a in args)
     assert moe_ops.is_capturable(torch.device("cuda"))
     with torch.no_grad():
-        torch.testing.assert_close(op(*args, **kwargs), want, rtol=1e-4, atol=1e-4)
+        got = op(*args, **kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(moe_ops, "_experts_for", lambda x: moe_ops._looped_experts)
+            want = op(*args, **kwargs)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(
+            got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item()
+        )
         graph = torch.cuda.CUDAGraph()
         op(*args, **kwargs)  # warm-up off the capture
         with torch.cuda.graph(graph):  # a host sync inside would raise here

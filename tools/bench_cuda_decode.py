@@ -135,6 +135,34 @@ def new_length_prefills(engine: Engine, lengths, vocab: int) -> list[dict]:
     return rows
 
 
+def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 20):
+    """torch.profiler table of `steps` pure decode steps at `batch` (after a warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(2)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+    for _ in range(batch):
+        prompt = torch.randint(100, vocab - 1, (prompt_len,), generator=gen).tolist()
+        engine.add_request(None, prompt, params)
+    for _ in range(20):  # prefill and settle
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events) / steps
+    print(
+        f"profile batch {batch}: {wall:.2f} ms/step wall (profiled), GPU busy {gpu_us / 1e3:.2f} ms/step"
+    )
+    print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,6 +177,7 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s (H200 copy)")
     parser.add_argument("--new-lengths", default="", help="e.g. 301,517,999 ('' skips)")
     parser.add_argument("--label", default="", help="tag printed in every JSON row")
+    parser.add_argument("--profile-batch", type=int, default=0, help="profile decode at B (0: off)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     tmp = Path(tempfile.mkdtemp(prefix="bench_cuda_"))
@@ -176,8 +205,12 @@ def main() -> None:
                               graphs=graphs, load_s=round(load_s, 1),
                               gpu=torch.cuda.get_device_name())), flush=True)  # fmt: skip
     lengths = [int(x) for x in args.new_lengths.split(",") if x]
+    if lengths:  # warm the allocator past every length, so only shapes are new
+        new_length_prefills(engine, [max(lengths) + 64], vocab)
     for row in new_length_prefills(engine, lengths, vocab) if lengths else []:
         print(json.dumps(dict(label=args.label, geometry=args.geometry, **row)), flush=True)
+    if args.profile_batch:
+        profile_steps(engine, args.profile_batch, args.prompt_len, vocab)
 
 
 if __name__ == "__main__":

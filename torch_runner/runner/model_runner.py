@@ -214,6 +214,14 @@ class ModelRunner:
             return self.fast_decode(input_ids, positions, caches)
         return self.model(input_ids, positions, caches)
 
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 [len(values)] on the device without blocking the host: `torch.tensor(list,
+        device=cuda)` waits for the copy, and so for the forward queued before it."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], grammar_rows=None) -> StepResult:
         """Run the step's chunks; sample one token for every chunk that reaches its end.
@@ -224,12 +232,12 @@ class ModelRunner:
         for group in group_chunks(chunks):
             hidden = self._forward_group(group)  # [B, N, H]
             rows = [i for i, c in enumerate(group) if c.is_sampled]
-            if rows:
+            if rows and len(rows) == len(group) and hidden.shape[1] == 1:
+                hidden_rows.append(hidden[:, 0])  # a decode group: every row, no index
+                sampled.extend(group)
+            elif rows:
                 last = [group[i].num_tokens - 1 for i in rows]
-                index = (
-                    torch.tensor(rows, device=self.device),
-                    torch.tensor(last, device=self.device),
-                )
+                index = (self._to_device(rows), self._to_device(last))
                 hidden_rows.append(hidden[index])  # [M, H]
                 sampled.extend(group[i] for i in rows)
         if not sampled:
@@ -249,9 +257,7 @@ class ModelRunner:
             deterministic=self.deterministic,
             eos_token_ids=self.eos_token_ids,
         )
-        positions = torch.tensor(
-            [s.num_tokens - 1 for s in seqs], dtype=torch.int64, device=self.device
-        )
+        positions = self._to_device([s.num_tokens - 1 for s in seqs])
         out = ops.sample(logits[:, : self.vocab_size], batch, positions, self.generator)
         result = StepResult([s.request_id for s in seqs], out.token_ids.tolist())
         if out.logprobs is not None:

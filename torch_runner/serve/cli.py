@@ -45,6 +45,8 @@ def _config_defaults() -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag, with defaults taken from EngineConfig so the CLI and the engine never drift."""
+    from torch_runner.config import ALLOWED_SWA_KV
+
     d = _config_defaults()
     parser = argparse.ArgumentParser(
         prog="python -m torch_runner.serve",
@@ -151,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Largest decode batch replayed from a CUDA graph; larger ones run eagerly. "
         "Default: %(default)s.",
     )
+    engine.add_argument(
+        "--swa-kv",
+        choices=ALLOWED_SWA_KV,
+        default=d["swa_kv"],
+        help="Sliding-window KV: windowed per-request buffers (least memory), paged in the pool "
+        "(CUDA graphs need it), auto = paged on CUDA. Default: %(default)s.",
+    )
     server = parser.add_argument_group("server")
     server.add_argument(
         "--host",
@@ -197,6 +206,7 @@ def engine_config(args: argparse.Namespace):
         weight_packing=args.weight_packing,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        swa_kv=args.swa_kv,
     )
 
 
