@@ -190,3 +190,30 @@ def test_cuda_graphs_cover_every_family_and_equal_the_windowed_eager_engine(fami
     assert len(graphs.graphs) >= 4
     for prompt, tokens, m in zip(PROMPTS, windowed, MAX_TOKENS):
         assert tokens == hf_greedy(hf, prompt, m), prompt
+
+
+def test_swa_kv_picks_where_window_layers_live_and_rejects_bad_values(family):
+    from torch_runner.config import EngineConfig
+    from torch_runner.runner.model_runner import ModelRunner
+
+    with pytest.raises(
+        ValueError, match="swa_kv='ring' is invalid; allowed values: auto, windowed, paged"
+    ):
+        EngineConfig(swa_kv="ring")
+    path, _ = family
+    windowed = _engine(path)  # auto on CPU: per-request windows
+    paged = _engine(path, swa_kv="paged")
+    args = windowed.args
+    num_layers = len(args.layer_types)
+    assert paged.runner.layout.full_layers == tuple(range(num_layers))
+    if "sliding_attention" in args.layer_types:
+        assert windowed.runner.layout.swa_layers and windowed.runner.pool.k.shape[0] < num_layers
+        assert paged.runner.pool.k.shape[0] == num_layers
+    per = ModelRunner.kv_bytes_per_token
+    assert (
+        per(args, torch.float32, True)
+        == 2 * num_layers * args.num_key_value_heads * args.head_dim * 4
+    )
+    cuda = EngineConfig(swa_kv="auto")
+    assert ModelRunner.pages_windows(cuda, torch.device("cuda"))
+    assert not ModelRunner.pages_windows(cuda, torch.device("cpu"))
