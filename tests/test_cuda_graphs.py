@@ -106,6 +106,7 @@ def test_graphs_stay_off_on_cpu_and_with_enforce_eager(llama):
         assert _engine(path, device="cuda", enforce_eager=True).runner.decode_graphs is None
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_equals_eager(llama):
     path, hf = llama
@@ -129,6 +130,7 @@ def test_cuda_graph_replay_equals_eager(llama):
     torch.testing.assert_close(hidden, again, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_captured_on_the_server_thread_equal_eager(llama):
     """AsyncEngine steps (and so captures) on a background thread, as the server does."""
@@ -178,6 +180,7 @@ def test_paged_windows_static_decode_equals_transformers(family):
         assert tokens == hf_greedy(hf, prompt, m), prompt
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_cover_every_family_and_equal_the_windowed_eager_engine(family):
     path, hf = family

@@ -230,6 +230,7 @@ def test_long_windowed_chunk_blocked_by_window_matches_brute_force(
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("n,s", [(40, 40), (24, 70), (1, 33)])

@@ -145,6 +145,7 @@ def test_dense_experts_equal_transformers(monkeypatch, family, num_tokens):
     torch.testing.assert_close(op(*args, **kwargs), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", sorted(CASES))

@@ -81,6 +81,7 @@ def test_cpu_uses_the_reference():
     assert impl_for(torch.device("cpu")) is paged_decode_attention
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [None, 128])
