@@ -135,6 +135,12 @@ def new_length_prefills(engine: Engine, lengths, vocab: int) -> list[dict]:
     return rows
 
 
+def _device_time_us(events) -> float:
+    """GPU busy time: device-side events only (an aten op also reports its kernels' time)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(e.self_device_time_total for e in events if e.device_type == cuda)
+
+
 def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 20):
     """torch.profiler table of `steps` pure decode steps at `batch` (after a warm-up)."""
     from torch.profiler import ProfilerActivity, profile
@@ -156,11 +162,34 @@ def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps
     while engine.has_unfinished():
         engine.step()
     events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events) / steps
+    gpu_us = _device_time_us(events) / steps
     print(
         f"profile batch {batch}: {wall:.2f} ms/step wall (profiled), GPU busy {gpu_us / 1e3:.2f} ms/step"
     )
     print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
+def profile_new_length(engine: Engine, length: int, vocab: int) -> None:
+    """Profiler tables (host and device self time) of a prefill of a never-seen length, then of
+    the same length again: what the first occurrence pays for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for tag in ("first", "again"):
+        engine.add_request(None, torch.randint(100, vocab - 1, (length,), generator=gen).tolist(),
+                           params)  # fmt: skip
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            while engine.has_unfinished():
+                engine.step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        gpu_ms = _device_time_us(events) / 1e3
+        print(f"prefill {length} {tag}: {(time.perf_counter() - t0) * 1e3:.1f} ms wall "
+              f"(profiled), GPU busy {gpu_ms:.1f} ms")  # fmt: skip
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
 
 
 def main() -> None:
@@ -178,6 +207,8 @@ def main() -> None:
     parser.add_argument("--new-lengths", default="", help="e.g. 301,517,999 ('' skips)")
     parser.add_argument("--label", default="", help="tag printed in every JSON row")
     parser.add_argument("--profile-batch", type=int, default=0, help="profile decode at B (0: off)")
+    parser.add_argument("--profile-new-length", type=int, default=0,
+                        help="profile a never-seen prefill length, then a repeat (0: off)")  # fmt: skip
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     tmp = Path(tempfile.mkdtemp(prefix="bench_cuda_"))
@@ -211,6 +242,8 @@ def main() -> None:
         print(json.dumps(dict(label=args.label, geometry=args.geometry, **row)), flush=True)
     if args.profile_batch:
         profile_steps(engine, args.profile_batch, args.prompt_len, vocab)
+    if args.profile_new_length:
+        profile_new_length(engine, args.profile_new_length, vocab)
 
 
 if __name__ == "__main__":
