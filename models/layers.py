@@ -159,16 +159,8 @@ class Attention(nn.Module):
             layout = None
             if cache is not None:
                 k, v, layout = cache.update_and_fetch(k, v)  # [B, Hkv, S, D]
-            out = ops.attention(
-                q,
-                k,
-                v,
-                positions,
-                layout,
-                sm_scale=self.scale,
-                sinks=self.sinks,
-                window=self.window,
-            )  # [B, Hq, N, D]
+            out = ops.attention(q, k, v, positions, layout, sm_scale=self.scale,
+                                sinks=self.sinks, window=self.window)  # fmt: skip
         out = out.transpose(1, 2).reshape(b, n, -1)  # [B, N, Hq * D]
         return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 

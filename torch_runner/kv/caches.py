@@ -232,6 +232,18 @@ class PagedStepMeta:
         self.layout = KeyLayout.contiguous(lens, is_causal_tail=is_tail)
 
 
+def decode_from_pool(pool, layer, write_slots, tables, kv_lens, q, k, v, sm_scale, sinks, window):
+    """One decode token per row: store k, v [B, Hkv, 1, D] at `write_slots` [B], then attend
+    q [B, Hq, 1, D] over each row's kv_lens [B] keys through `tables` [B, blocks] (the paged
+    decode op: Triton on CUDA, the torch reference elsewhere). Returns [B, Hq, 1, D]."""
+    b, h, _, d = k.shape
+    pool.write(layer, write_slots, k.reshape(b, h, d), v.reshape(b, h, d))
+    out = paged_impl(q.device)(q[:, :, 0], pool.k_layers[layer], pool.v_layers[layer], tables,
+                               kv_lens, block_size=pool.block_size, sm_scale=sm_scale,
+                               sinks=sinks, window=window)  # fmt: skip
+    return out[:, :, None]
+
+
 class PagedLayerView:
     """One pool layer's cache for one forward: writes the new KV, gathers the keys (or, for a
     CUDA decode step, attends straight from the pool)."""
@@ -255,13 +267,8 @@ class PagedLayerView:
         step (N == 1) reads the pool through the block table; anything else gathers."""
         meta = self.meta
         if q.is_cuda and q.shape[2] == 1:
-            b, h, _, d = k.shape
-            self.pool.write(self.layer, meta.write_slots, k.reshape(b, h, d), v.reshape(b, h, d))
-            attend = paged_impl(q.device)
-            out = attend(q[:, :, 0], self.pool.k_layers[self.layer], self.pool.v_layers[self.layer],
-                         meta.block_tables, meta.kv_lens, block_size=meta.block_size,
-                         sm_scale=sm_scale, sinks=sinks, window=window)  # fmt: skip
-            return out[:, :, None]  # [B, Hq, 1, D]
+            return decode_from_pool(self.pool, self.layer, meta.write_slots, meta.block_tables,
+                                    meta.kv_lens, q, k, v, sm_scale, sinks, window)  # fmt: skip
         keys, values, layout = self.update_and_fetch(k, v)
         return ops.attention(q, keys, values, positions, layout, sm_scale=sm_scale, sinks=sinks,
                              window=window)  # fmt: skip

@@ -31,8 +31,7 @@ import torch
 
 from models.layers import GatedMLP
 from ops.moe import is_capturable
-from ops.paged_attention import impl_for as paged_impl
-from torch_runner.kv.caches import PagedKVPool
+from torch_runner.kv.caches import PagedKVPool, decode_from_pool
 
 logger = logging.getLogger(__name__)
 
@@ -63,21 +62,11 @@ class StaticPagedView:
 
     def __init__(self, pool: PagedKVPool, layer: int, write_slots, tables, kv_lens):
         self.pool, self.layer = pool, layer
-        self.write_slots, self.tables, self.kv_lens = (
-            write_slots,
-            tables,
-            kv_lens,
-        )  # [B], [B, S/bs], [B]
+        self.write_slots, self.tables, self.kv_lens = write_slots, tables, kv_lens  # fmt: skip
 
     def attend(self, q, k, v, positions, *, sm_scale: float, sinks=None, window=None):
-        b, h, _, d = k.shape  # [B, Hkv, 1, D]
-        pool = self.pool
-        pool.write(self.layer, self.write_slots, k.reshape(b, h, d), v.reshape(b, h, d))
-        attend = paged_impl(q.device)
-        out = attend(q[:, :, 0], pool.k_layers[self.layer], pool.v_layers[self.layer],
-                     self.tables, self.kv_lens, block_size=pool.block_size, sm_scale=sm_scale,
-                     sinks=sinks, window=window)  # fmt: skip
-        return out[:, :, None]  # [B, Hq, 1, D]
+        return decode_from_pool(self.pool, self.layer, self.write_slots, self.tables,
+                                self.kv_lens, q, k, v, sm_scale, sinks, window)  # fmt: skip
 
 
 def static_decode(model, pool: PagedKVPool, full_layers, num_layers: int, inputs, num_keys: int):
