@@ -55,12 +55,16 @@ def load_model(
     device: str | torch.device,
     dtype: str = "auto",
     load_format: str = "safetensors",
+    shard=None,
 ) -> LoadedModel:
     """Load the HF folder at `path` onto `device`.
 
     dtype: "auto" (config `dtype`/`torch_dtype`, else the checkpoint's), "float32", "bfloat16",
     "float16". load_format: "safetensors", or "dummy" for seeded random weights built from the
-    config alone (benchmarking a geometry without its checkpoint). Raises ModelLoadError.
+    config alone (benchmarking a geometry without its checkpoint). shard: a tensor-parallel plan
+    (torch_runner/distributed/shard.py) whose `prepare(model)` reshapes the meta model to one
+    rank's part and whose `shard_tensor(name, tensor)` slices each checkpoint tensor to it, so
+    only that part is copied. Raises ModelLoadError.
     """
     if dtype not in ALLOWED_DTYPES:
         raise ModelLoadError(
@@ -87,6 +91,8 @@ def load_model(
 
     with torch.device("meta"):
         model = family.Model(args)
+        if shard is not None:
+            shard.prepare(model)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected_dtypes = {name: t.dtype for name, t in model.state_dict().items()}
     if load_format == "dummy":
@@ -94,6 +100,8 @@ def load_model(
         weights = dummy_weights(expected, target_dtype, torch_device, norm_value=norm_value)
     else:
         weights = _checkpoint_weights(family, args, files, path)
+        if shard is not None:
+            weights = {name: shard.shard_tensor(name, t) for name, t in weights.items()}
         check_weights(expected, weights)
         weight_checks.check_dtypes(expected_dtypes, weights)
     state = {}

@@ -56,6 +56,10 @@ class EngineConfig:
     # sliding-window KV: "windowed" per-request buffers (least memory), "paged" in the pool with
     # the full layers (CUDA graphs need it), "auto" = paged on CUDA, windowed elsewhere
     swa_kv: str = "auto"
+    # ranks of one tensor-parallel group (torch_runner/distributed; docs/engine.md), and how long
+    # a collective may wait for a rank before the step fails (a dead or hung rank)
+    tensor_parallel_size: int = 1
+    dist_timeout: int = 120
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):  # pathlib.Path is as good as a string
@@ -84,6 +88,14 @@ class EngineConfig:
         _require_int("max_waiting", self.max_waiting, 1)
         _require_int("max_cached_windows", self.max_cached_windows, 0)
         _require_int("cuda_graph_max_bs", self.cuda_graph_max_bs, 1)
+        _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _require_int("dist_timeout", self.dist_timeout, 1)
+        if self.tensor_parallel_size > 1 and self.swa_kv == "windowed":
+            raise ValueError(
+                f"swa_kv='windowed' is invalid with tensor_parallel_size="
+                f"{self.tensor_parallel_size}; allowed values: auto, paged (the workers keep "
+                "sliding-window KV in the paged pool)"
+            )
         if self.weight_packing not in ALLOWED_WEIGHT_PACKING:
             raise ValueError(
                 f"weight_packing={self.weight_packing!r} is invalid; allowed values: "

@@ -17,6 +17,7 @@ from models import ModelLoadError, load_model
 from models.hub import resolve_model
 from ops.sampling.params import SamplingParams
 from torch_runner.config import EngineConfig
+from torch_runner.distributed.launch import start_tensor_parallel
 from torch_runner.kv.block_manager import BlockManager
 from torch_runner.kv.radix_cache import RadixCache
 from torch_runner.outputs import RequestOutput
@@ -63,8 +64,6 @@ class Engine:
         return engine
 
     def _start(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
         # the MLX gate, before the model path is resolved or a weight read (as `serve` does):
         # a broken MLX install or an MLX-incompatible device fails here, in one line
         if use_mlx():
@@ -81,9 +80,22 @@ class Engine:
                 )
             )
         self.config = config
-        loaded = load_model(
-            path, device=config.device, dtype=config.dtype, load_format=config.load_format
-        )
+        # tensor parallel: None at size 1; else this process is rank 0 (ranks > 0 under torchrun
+        # never return from here: they serve steps until rank 0 stops, distributed/launch.py)
+        self.tensor_parallel = start_tensor_parallel(config, path)
+        try:
+            self._load(config, path)
+        except BaseException:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.close()
+            raise
+
+    def _load(self, config: EngineConfig, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        tp = self.tensor_parallel
+        loaded = load_model(path, device=config.device, dtype=config.dtype,
+                            load_format=config.load_format, shard=tp and tp.plan)  # fmt: skip
         self.model_path = str(loaded.path)
         self.args = loaded.args
         self.device = next(loaded.model.parameters()).device
@@ -104,7 +116,10 @@ class Engine:
                 num_blocks * config.block_size,
             )
             self.max_model_len = num_blocks * config.block_size
-        self.runner = ModelRunner(loaded, config, num_blocks, self.device, self.dtype, sorted(eos))
+        if tp is not None:
+            tp.group.send(num_blocks)  # the workers build the same pool (their heads' KV)
+        self.runner = ModelRunner(loaded, config, num_blocks, self.device, self.dtype, sorted(eos),
+                                  tensor_parallel=tp and tp.plan)  # fmt: skip
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.prefix_cache = (
             RadixCache(self.block_manager, config.max_cached_windows)
@@ -244,6 +259,9 @@ class Engine:
             self.runner.free(seq.request_id)
         if out.is_empty:
             return []
+        if self.tensor_parallel is not None:  # the workers run the same step from its inputs
+            self.tensor_parallel.check_alive()
+            self.tensor_parallel.send_step(out.chunks)
         result = self.runner.execute(out.chunks, self._grammar_rows)
         self.scheduler.advance(out)
         if self.prefix_cache is not None:
@@ -278,6 +296,11 @@ class Engine:
             return None
         end = (seq.num_computed_tokens // self.config.block_size) * self.config.block_size
         return self.runner.snapshot_windows(seq.request_id, end) if end else None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at size 1); idempotent."""
+        if getattr(self, "tensor_parallel", None) is not None:
+            self.tensor_parallel.close()
 
     # ---- offline API ------------------------------------------------------------------
     def _fan_out(self, prompts, params) -> list[tuple[Prompt, SamplingParams]]:

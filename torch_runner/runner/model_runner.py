@@ -93,8 +93,11 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         eos_token_ids=(),
+        tensor_parallel=None,
     ):
         self.model = loaded.model
+        # a ShardPlan (torch_runner/distributed): this rank's KV heads, logits gathered over ranks
+        self.tensor_parallel = tensor_parallel
         self.is_packed = (
             device.type == "cpu" and config.weight_packing == "auto" and ops.can_pack(dtype)
         )
@@ -118,7 +121,9 @@ class ModelRunner:
             len(self.full_layers),
             num_blocks if self.full_layers else 1,
             self.block_size,
-            self.args.num_key_value_heads,
+            self.args.num_key_value_heads
+            if tensor_parallel is None
+            else tensor_parallel.num_kv_heads,
             self.args.head_dim,
             dtype,
             device,
@@ -126,21 +131,26 @@ class ModelRunner:
         self._pool_index = {layer: i for i, layer in enumerate(self.full_layers)}
         self.swa_caches: dict[str, list[WindowedKVCache]] = {}
         # pure-decode groups replay a CUDA graph (None: eager; see cuda_graphs.py)
-        self.decode_graphs = DecodeGraphs.for_runner(
-            self.model, self.layout, self.pool, config, device
-        )
+        # (both off under tensor parallel: the all-reduces are module hooks they would skip)
+        self.decode_graphs = None
+        if tensor_parallel is None:
+            self.decode_graphs = DecodeGraphs.for_runner(
+                self.model, self.layout, self.pool, config, device
+            )
         # CPU decode steps skip module dispatch (cpu_decode.py); the same ops and values
         self.fast_decode = None
-        if device.type == "cpu" and supports_fast_decode(self.model, self.args):
+        is_cpu = device.type == "cpu"
+        if is_cpu and tensor_parallel is None and supports_fast_decode(self.model, self.args):
             self.fast_decode = FlatDecoder(self.model)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.random_seed)
 
     @staticmethod
     def pages_windows(config, device: torch.device) -> bool:
-        """SWA layers in the pool (config.swa_kv; "auto": on CUDA, where graphs need it)."""
+        """SWA layers in the pool (config.swa_kv; "auto": on CUDA, where graphs need it, and under
+        tensor parallel, where workers keep no per-request state)."""
         if config.swa_kv == "auto":
-            return torch.device(device).type == "cuda"
+            return torch.device(device).type == "cuda" or config.tensor_parallel_size > 1
         return config.swa_kv == "paged"
 
     @staticmethod
@@ -225,11 +235,11 @@ class ModelRunner:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], grammar_rows=None) -> StepResult:
-        """Run the step's chunks; sample one token for every chunk that reaches its end.
+    def forward_logits(self, chunks) -> tuple[torch.Tensor, list] | None:
+        """Forward every group; logits [M, V'] of the chunks that reach their end, or None.
 
-        grammar_rows(sampled_chunks) -> list of additive [V] rows or None (structured output).
-        """
+        Under tensor parallel every rank runs this (same chunks, its shard) and the logits are
+        gathered over the ranks; only rank 0 goes on to sample."""
         hidden_rows, sampled = [], []
         for group in group_chunks(chunks):
             hidden = self._forward_group(group)  # [B, N, H]
@@ -243,10 +253,24 @@ class ModelRunner:
                 hidden_rows.append(hidden[index])  # [M, H]
                 sampled.extend(group[i] for i in rows)
         if not sampled:
-            return StepResult([], [])
+            return None
         logits = self.model.compute_logits(
             torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0]
         )
+        if self.tensor_parallel is not None:  # vocab-parallel lm_head: [M, V/N] -> [M, V']
+            logits = self.tensor_parallel.group.all_gather_last(logits)
+        return logits, sampled
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk], grammar_rows=None) -> StepResult:
+        """Run the step's chunks; sample one token for every chunk that reaches its end.
+
+        grammar_rows(sampled_chunks) -> list of additive [V] rows or None (structured output).
+        """
+        forward = self.forward_logits(chunks)
+        if forward is None:
+            return StepResult([], [])
+        logits, sampled = forward
         seqs = [c.seq for c in sampled]
         edit_rows = grammar_rows(sampled) if grammar_rows is not None else None
         batch = SamplingBatch.build(

@@ -1,0 +1,102 @@
+"""The tensor-parallel process group: start-up (spawned or torchrun), collectives, the step wire.
+
+Two groups: the data group (NCCL on CUDA, gloo on CPU) carries the all-reduces and the logits
+gather with `dist_timeout`, so a dead or hung rank fails the step instead of hanging it; a gloo
+control group carries rank 0's pickled step inputs with a long timeout, because a worker waits
+on it for as long as the server is idle. A collective failure raises RankFailure.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+IDLE_TIMEOUT = timedelta(days=30)  # a worker may wait this long for rank 0's next step
+STOP = "stop"
+
+
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank died, hung past dist_timeout, or a collective failed."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when launched by torchrun (RANK/WORLD_SIZE set), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+
+
+class TPGroup:
+    """This process's place in the group and the collectives the model and the engine use."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, init_method: str, timeout_s):
+        self.rank, self.size, self.device = rank, size, device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=size, timeout=timeout)  # fmt: skip
+            self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        except Exception as exc:  # a rank that never came up: the rendezvous timed out
+            raise RankFailure(f"tensor parallel rendezvous failed at rank {rank}: {exc}") from exc
+        self.all_reduce_seconds = 0.0  # bench_tp.py reads it (only when `timing` is on)
+        self.timing = False
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place."""
+        if self.timing:
+            return self._timed_all_reduce(x)
+        try:
+            dist.all_reduce(x)
+        except Exception as exc:
+            raise RankFailure(f"all-reduce failed at rank {self.rank}: {exc}") from exc
+        return x
+
+    def _timed_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        self.all_reduce_seconds += time.perf_counter() - start
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., V/N] on every rank -> [..., V] (rank order) on every rank."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        try:
+            dist.all_gather(parts, x.contiguous())
+        except Exception as exc:
+            raise RankFailure(f"logits gather failed at rank {self.rank}: {exc}") from exc
+        return torch.cat(parts, dim=-1)
+
+    def send(self, message) -> None:
+        """Rank 0: broadcast one picklable message to the workers (the control group)."""
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.control)
+        except Exception as exc:
+            raise RankFailure(f"a tensor parallel worker is gone: {exc}") from exc
+
+    def receive(self):
+        """Ranks > 0: rank 0's next message."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
