@@ -164,8 +164,9 @@ def test_help_groups_flags_like_vllm(capsys):
     headings = [
         line[:-1] for line in text.splitlines() if line and line[0] != " " and line.endswith(":")
     ]
-    assert headings[1:6] == ["model", "serving", "scheduling", "memory", "MLX"], headings
-    for alias in ("--seed", "--gpu-memory-utilization", "--enable-prefix-caching",
+    want = ["model", "serving", "scheduling", "memory", "parallel", "MLX"]
+    assert headings[1:7] == want, headings
+    for alias in ("--seed", "--gpu-memory-utilization", "--enable-prefix-caching", "-tp", "--tp-size",
                   "--max-num-batched-tokens", "--tokenizer", "--revision", "--generation-config",
                   "--trust-remote-code"):  # fmt: skip
         assert alias in text, alias

@@ -16,10 +16,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ops.sampling.params import SamplingParams
+from torch_runner.distributed.group import RankFailure
 from torch_runner.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class AsyncEngine:
         self._cached_at = 0.0
         self._stats: dict[str, Any] = {}
         self._refresh_stats(force=True)
+        self.fatal_error: RankFailure | None = None  # set when a tensor-parallel rank failed
+        self.on_fatal: Callable[[RankFailure], None] | None = None  # the server exits on it
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -205,6 +208,13 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except RankFailure as exc:  # a dead or hung rank: no later step can succeed
+                logger.critical("tensor parallel failure; stopping the engine: %s", exc)
+                self.fatal_error = exc
+                self._fail_all(exc)
+                if self.on_fatal is not None:
+                    self.on_fatal(exc)
+                return
             except Exception as exc:
                 logger.exception("engine step failed; failing every running request")
                 self._fail_all(exc)

@@ -9,6 +9,7 @@ on it for as long as the server is idle. A collective failure raises RankFailure
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from datetime import timedelta
 
@@ -43,7 +44,7 @@ class TPGroup:
     def __init__(self, rank: int, size: int, device: torch.device, init_method: str, timeout_s):
         self.rank, self.size, self.device = rank, size, device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=timeout_s)
+        timeout = self.timeout = timedelta(seconds=timeout_s)
         try:
             dist.init_process_group(backend, init_method=init_method, rank=rank,
                                     world_size=size, timeout=timeout)  # fmt: skip
@@ -85,17 +86,28 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
     def send(self, message) -> None:
-        """Rank 0: broadcast one picklable message to the workers (the control group)."""
+        """Rank 0: broadcast one picklable message to the workers over the control group.
+
+        The workers wait on that group with the idle timeout, but rank 0 waits at most
+        dist_timeout for them to take it (a hung worker fails the send, not the server)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
         try:
-            dist.broadcast_object_list([message], src=0, group=self.control)
+            for tensor in (size, payload):
+                work = dist.broadcast(tensor, src=0, group=self.control, async_op=True)
+                work.wait(timeout=self.timeout)
         except Exception as exc:
-            raise RankFailure(f"a tensor parallel worker is gone: {exc}") from exc
+            raise RankFailure(
+                f"a tensor parallel worker did not take the step within {self.timeout}: {exc}"
+            ) from exc
 
     def receive(self):
-        """Ranks > 0: rank 0's next message."""
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        """Ranks > 0: rank 0's next message (waits as long as rank 0 is idle)."""
+        size = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.control)
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.control)
+        return pickle.loads(payload.numpy().tobytes())  # noqa: S301 - rank 0 of our own group
 
     def close(self) -> None:
         if dist.is_initialized():

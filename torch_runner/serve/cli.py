@@ -48,6 +48,8 @@ def engine_config(args: argparse.Namespace):
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         swa_kv=args.swa_kv,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dist_timeout=args.dist_timeout,
     )
 
 

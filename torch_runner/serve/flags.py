@@ -54,6 +54,8 @@ examples:
   python -m torch_runner.serve --model Qwen/Qwen3-0.6B --revision main --port 9000
   python -m torch_runner.serve --model ./Qwen3-0.6B --dtype bfloat16 --api-key s3cret
   TORCH_RUNNER_USE_MLX=1 TORCH_RUNNER_MLX_OPS=attention python -m torch_runner.serve --device cpu
+  python -m torch_runner.serve --model ./Qwen3-0.6B --tensor-parallel-size 2   # 2 spawned ranks
+  torchrun --nproc-per-node 2 -m torch_runner.serve --model ./Qwen3-0.6B -tp 2
 """
 
 
@@ -286,6 +288,26 @@ def memory_flags(add: Adder, d: dict[str, Any]) -> None:
     )
 
 
+def parallel_flags(add: Adder, d: dict[str, Any]) -> None:
+    add(
+        "--tensor-parallel-size",
+        "-tp",
+        "--tp-size",
+        "--tp",
+        type=int,
+        default=d["tensor_parallel_size"],
+        help="Ranks of one tensor-parallel group (gloo on CPU, NCCL on CUDA): spawned on this "
+        "host, or every rank started by torchrun (docs/engine.md). Default: %(default)s.",
+    )
+    add(
+        "--dist-timeout",
+        type=int,
+        default=d["dist_timeout"],
+        help="Seconds a collective waits for a rank before the server fails health and exits "
+        "(a dead or hung rank). Default: %(default)s.",
+    )
+
+
 def mlx_flags(add: Adder, d: dict[str, Any]) -> None:
     """No flags yet: MLX is switched by the environment (see the group's description)."""
 
@@ -296,6 +318,7 @@ GROUPS: tuple[tuple[str, str | None, Callable[[Adder, dict[str, Any]], None]], .
     ("serving", None, serving_flags),
     ("scheduling", None, scheduling_flags),
     ("memory", None, memory_flags),
+    ("parallel", None, parallel_flags),
     ("MLX", MLX_HELP, mlx_flags),
 )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 from typing import Any
@@ -126,9 +127,13 @@ def run_server(
 
     import ops
     from torch_runner import AsyncEngine, Engine
+    from torch_runner.distributed.group import torchrun_env
     from torch_runner.serve.app import create_app
     from torch_runner.serve.drain import DrainingServer
 
+    if config.tensor_parallel_size > 1 and (torchrun_env() or (0,))[0] > 0:
+        Engine.from_config(config)  # a torchrun rank > 0 serves steps in here, then exits
+        return
     sock = bind_socket(args.host, args.port)
     try:
         chat_template = read_chat_template(args.chat_template)
@@ -137,6 +142,9 @@ def run_server(
         print(f"error: could not start the engine: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     async_engine = AsyncEngine(engine)
+    # a tensor-parallel rank that died or hung stops the engine loop (health answers 503); SIGTERM
+    # then drains and stops the server, and the exit below says why
+    async_engine.on_fatal = lambda exc: os.kill(os.getpid(), signal.SIGTERM)
     async_engine.start()
     try:
         state = serving_state(
@@ -161,3 +169,7 @@ def run_server(
         state.pool.close()
     finally:
         async_engine.shutdown()
+        engine.close()
+    if async_engine.fatal_error is not None:
+        print(f"error: the engine stopped: {async_engine.fatal_error}", file=sys.stderr)
+        raise SystemExit(1)
