@@ -12,16 +12,18 @@ only its part of the memory-mapped checkpoint. Row-parallel biases live on rank 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import gpt_oss, qwen3_moe
 from models.layers import Attention, CausalLM, GatedMLP
 
-# families whose blocks are all Attention + GatedMLP (MoE and Gemma's scaled embedding: later)
-SHARDABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Gemma's scaled embedding and GGUF/packed checkpoints: not yet
+SHARDABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 
 
 def check_shardable(raw_config: dict, size: int) -> None:
@@ -34,7 +36,6 @@ def check_shardable(raw_config: dict, size: int) -> None:
         )
     heads = raw_config.get("num_attention_heads")
     kv_heads = raw_config.get("num_key_value_heads", heads)
-    inter = raw_config.get("intermediate_size")
     if not heads or heads % size:
         raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads ({heads})")
     if kv_heads % size and size % kv_heads:
@@ -42,8 +43,10 @@ def check_shardable(raw_config: dict, size: int) -> None:
             f"tensor_parallel_size={size} must divide num_key_value_heads ({kv_heads}) "
             "or be a multiple of it"
         )
-    if inter is None or inter % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide intermediate_size ({inter})")
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        value = raw_config.get(name)
+        if (name == "intermediate_size" or value is not None) and (not value or value % size):
+            raise ValueError(f"tensor_parallel_size={size} must divide {name} ({value})")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -69,7 +72,7 @@ class ShardPlan:
     rank: int
     size: int
     group: object  # TPGroup: all_reduce / all_gather_last
-    slices: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)  # dim,start,len,pad
+    slices: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     rank0_only: set[str] = field(default_factory=set)
     num_kv_heads: int = 0  # this rank's KV heads (the paged pool's geometry)
 
@@ -80,18 +83,20 @@ class ShardPlan:
                 self._shard_attention(name, module)
             elif isinstance(module, GatedMLP):
                 self._shard_mlp(name, module)
+            elif isinstance(module, qwen3_moe.SparseMoeBlock | gpt_oss.MoE):
+                self._shard_experts(name, module)
         self._shard_vocab(model)
 
     def _column(self, prefix: str, linear: nn.Linear, start: int, size: int) -> nn.Linear:
         new = nn.Linear(linear.in_features, size, bias=linear.bias is not None, device="meta")
-        self.slices[f"{prefix}.weight"] = (0, start, size, 0)
+        self.slices[f"{prefix}.weight"] = narrow(0, start, size)
         if linear.bias is not None:
-            self.slices[f"{prefix}.bias"] = (0, start, size, 0)
+            self.slices[f"{prefix}.bias"] = narrow(0, start, size)
         return new
 
     def _row(self, prefix: str, linear: nn.Linear, start: int, size: int) -> nn.Linear:
         new = nn.Linear(size, linear.out_features, bias=linear.bias is not None, device="meta")
-        self.slices[f"{prefix}.weight"] = (1, start, size, 0)
+        self.slices[f"{prefix}.weight"] = narrow(1, start, size)
         if linear.bias is not None:
             self.rank0_only.add(f"{prefix}.bias")  # added once, by rank 0, before the sum
         return new
@@ -109,7 +114,7 @@ class ShardPlan:
         attn.o_proj = self._row(f"{name}.o_proj", attn.o_proj, r * local_q * d, local_q * d)
         if attn.sinks is not None:
             attn.sinks = nn.Parameter(torch.empty(local_q, device="meta"))
-            self.slices[f"{name}.sinks"] = (0, r * local_q, local_q, 0)
+            self.slices[f"{name}.sinks"] = narrow(0, r * local_q, local_q)
         attn.num_heads, attn.num_kv_heads = local_q, local_kv
         self.num_kv_heads = local_kv
         attn.register_forward_hook(self._reduce_output)
@@ -122,6 +127,37 @@ class ShardPlan:
         mlp.down_proj = self._row(f"{name}.down_proj", mlp.down_proj, start, size)
         mlp.register_forward_hook(self._reduce_output)
 
+    def _shard_experts(self, name: str, moe: nn.Module) -> None:
+        """MoE split within every expert (each rank: all experts, 1/N of their intermediate);
+        the router is replicated, so every rank routes each token to the same experts."""
+        ex, prefix = moe.experts, f"{name}.experts"
+
+        def resize(attr: str, dim: int, factor: float) -> None:
+            shape = list(getattr(ex, attr).shape)
+            shape[dim] = int(shape[dim] * factor)
+            setattr(ex, attr, nn.Parameter(torch.empty(shape, device="meta")))
+
+        if isinstance(moe, qwen3_moe.SparseMoeBlock):  # gate_up [E, 2I, H] (gate, then up)
+            inter = ex.down_proj.shape[2]
+            size = inter // self.size
+            start = self.rank * size
+            self.slices[f"{prefix}.gate_up_proj"] = lambda t: torch.cat(
+                [t.narrow(1, start, size), t.narrow(1, inter + start, size)], dim=1
+            )
+            self.slices[f"{prefix}.down_proj"] = narrow(2, start, size)  # [E, H, I]
+            resize("gate_up_proj", 1, 1 / self.size)
+            resize("down_proj", 2, 1 / self.size)
+        else:  # gpt-oss: gate_up [E, H, 2I] interleaved (gate, up) pairs, down [E, I, H]
+            size = ex.down_proj.shape[1] // self.size
+            start = self.rank * size
+            self.slices[f"{prefix}.gate_up_proj"] = narrow(2, 2 * start, 2 * size)
+            self.slices[f"{prefix}.gate_up_proj_bias"] = narrow(1, 2 * start, 2 * size)
+            self.slices[f"{prefix}.down_proj"] = narrow(1, start, size)
+            self.rank0_only.add(f"{prefix}.down_proj_bias")
+            for attr, dim in (("gate_up_proj", 2), ("gate_up_proj_bias", 1), ("down_proj", 1)):
+                resize(attr, dim, 1 / self.size)
+        moe.register_forward_hook(self._reduce_output)
+
     def _shard_vocab(self, model: CausalLM) -> None:
         embed = model.model.embed_tokens
         vocab, hidden = embed.weight.shape
@@ -131,11 +167,11 @@ class ShardPlan:
         pad = per_rank - real
         with torch.device("meta"):
             model.model.embed_tokens = VocabParallelEmbedding(per_rank, hidden, start, self.group)
-        self.slices["model.embed_tokens.weight"] = (0, start, real, pad)
+        self.slices["model.embed_tokens.weight"] = narrow(0, start, real, pad)
         if model.lm_head is not None:
             with torch.device("meta"):
                 model.lm_head = nn.Linear(hidden, per_rank, bias=False)
-            self.slices["lm_head.weight"] = (0, start, real, pad)
+            self.slices["lm_head.weight"] = narrow(0, start, real, pad)
 
     def _reduce_output(self, module, inputs, output: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(output)  # row-parallel partial sums -> the full output
@@ -144,13 +180,19 @@ class ShardPlan:
         """This rank's part of checkpoint tensor `name` (a copy of the slice only)."""
         if name in self.rank0_only and self.rank != 0:
             return torch.zeros_like(tensor)
-        spec = self.slices.get(name)
-        if spec is None:
-            return tensor
-        dim, start, length, pad = spec
+        cut = self.slices.get(name)
+        return tensor if cut is None else cut(tensor).contiguous()
+
+
+def narrow(dim: int, start: int, length: int, pad: int = 0):
+    """tensor -> tensor.narrow(dim, start, length), then `pad` zero rows along `dim`."""
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
         part = tensor.narrow(dim, start, length)
-        if pad:
-            shape = list(part.shape)
-            shape[dim] = pad
-            part = torch.cat([part, part.new_zeros(shape)], dim=dim)
-        return part.contiguous()
+        if not pad:
+            return part
+        shape = list(part.shape)
+        shape[dim] = pad
+        return torch.cat([part, part.new_zeros(shape)], dim=dim)
+
+    return cut
