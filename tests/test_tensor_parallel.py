@@ -145,3 +145,25 @@ def test_a_hung_rank_times_out_instead_of_hanging(tmp_path, monkeypatch):
         worker.kill()
         worker.join(timeout=10)
         engine.close()
+
+
+def test_workers_exit_when_rank_0_is_killed(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path, _ = save_engine_checkpoint("llama", tmp_path)
+    script = (
+        "import os\nfrom torch_runner.engine import Engine\n"
+        f"e = Engine({str(path)!r}, device='cpu', dtype='float32', max_total_tokens=128, "
+        "tensor_parallel_size=2)\n"
+        "print(e.tensor_parallel.processes[0].pid, flush=True)\nos.kill(os.getpid(), 9)\n"
+    )
+    env = {**os.environ, "MASTER_PORT": str(next(PORTS)), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, cwd=Path(__file__).parents[1], timeout=120)  # fmt: skip
+    worker = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{worker}").exists(), "an orphaned rank must not outlive rank 0"

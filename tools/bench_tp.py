@@ -1,0 +1,110 @@
+"""Tensor parallel on the CPU: decode tokens/s and per-step all-reduce time at tp 1 and 2.
+
+One Llama geometry with dummy weights (hidden 1024, 8 layers, 16 heads / 8 KV heads, head_dim 64,
+intermediate 2816, vocab 32000, fp32), one engine per tensor-parallel size, alive side by side and
+run alternately (`--repeats` rounds, medians). The same cores either way: tp 1 runs with
+`--threads` intra-op threads, tp 2 with threads/2 per rank (spawned workers, gloo). tp 1 keeps its
+CPU decode fast path (FlatDecoder); under tp it is off (the all-reduces are module hooks).
+All-reduce time is rank 0's wall time inside `dist.all_reduce` per engine step (every layer's
+two, plus the vocab-parallel embedding's), and the logits gather is not in it.
+
+    .venv/bin/python tools/bench_tp.py --batches 1,8 --gen-len 32 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from models.default_model import default_model_path
+from torch_runner import Engine, SamplingParams
+
+GEOMETRY = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=1024,
+    intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+    head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+    tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, torch_dtype="float32",
+)  # fmt: skip
+
+
+class StepCounter:
+    """Counts engine steps (to divide the all-reduce time per step)."""
+
+    def __init__(self, engine: Engine):
+        self.count, step = 0, engine.step
+
+        def counted():
+            self.count += 1
+            return step()
+
+        engine.step = counted
+
+
+def run(engine: Engine, counter: StepCounter, threads: int, batch: int, args) -> dict:
+    torch.set_num_threads(threads)
+    prompts = [[(7 * i + j) % 31000 + 100 for j in range(args.prompt_len)] for i in range(batch)]
+    params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
+    group = engine.tensor_parallel.group if engine.tensor_parallel else None
+    if group is not None:
+        group.timing, group.all_reduce_seconds = True, 0.0
+    steps = counter.count
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    steps = counter.count - steps
+    reduce_ms = 1e3 * group.all_reduce_seconds / steps if group is not None else 0.0
+    return {"tok_s": batch * args.gen_len / seconds, "reduce_ms": reduce_ms, "steps": steps,
+            "step_ms": 1e3 * seconds / steps}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", default="1,8", help="comma list of batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds (median)")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads in all")
+    args = parser.parse_args()
+    directory = Path(tempfile.mkdtemp(prefix="bench_tp_"))
+    (directory / "config.json").write_text(json.dumps(GEOMETRY))
+    common = dict(device="cpu", dtype="float32", load_format="dummy", max_total_tokens=8192,
+                  tokenizer=str(default_model_path()), enable_prefix_caching=False)  # fmt: skip
+    per_rank = max(1, args.threads // 2)
+    torch.set_num_threads(args.threads)
+    engines = {1: Engine(str(directory), **common)}
+    torch.set_num_threads(per_rank)  # the spawned rank inherits it
+    engines[2] = Engine(str(directory), tensor_parallel_size=2, **common)
+    threads = {1: args.threads, 2: per_rank}
+    counters = {tp: StepCounter(e) for tp, e in engines.items()}
+    print(f"bench_tp: {json.dumps({k: GEOMETRY[k] for k in ('hidden_size', 'num_hidden_layers')})}"
+          f" fp32 dummy, prompt {args.prompt_len}, gen {args.gen_len}, {args.repeats} rounds")  # fmt: skip
+    try:
+        for batch in (int(b) for b in args.batches.split(",")):
+            for tp in engines:  # warm-up
+                run(engines[tp], counters[tp], threads[tp], batch, args)
+            results = {1: [], 2: []}
+            for _ in range(args.repeats):
+                for tp in engines:
+                    results[tp].append(run(engines[tp], counters[tp], threads[tp], batch, args))
+            med = {
+                tp: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                for tp, rs in results.items()
+            }
+            print(f"batch {batch:3d}: tp1 {med[1]['tok_s']:7.1f} tok/s ({med[1]['step_ms']:.1f} "
+                  f"ms/step) | tp2 {med[2]['tok_s']:7.1f} tok/s ({med[2]['step_ms']:.1f} ms/step, "
+                  f"all-reduce {med[2]['reduce_ms']:.2f} ms/step) | tp2/tp1 "
+                  f"{med[2]['tok_s'] / med[1]['tok_s']:.2f}x")  # fmt: skip
+    finally:
+        engines[2].close()
+
+
+if __name__ == "__main__":
+    main()
