@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ALLOWED_DTYPES = ("auto", *DTYPES)
 LOAD_FORMATS = ("safetensors", "dummy")
+MOE_WEIGHTS = ("packed", "dequantized")  # quantized MoE experts: as on disk, or expanded at load
 DUMMY_STD = 0.02
 DUMMY_SEED = 0
+DUMMY_MXFP4_SCALE = 120  # 2^-7: E2M1 codes (|v| <= 6) times it have a std near DUMMY_STD
 # tensors some checkpoints carry that are recomputed here, never loaded
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -54,12 +56,15 @@ def load_model(
     device: str | torch.device,
     dtype: str = "auto",
     load_format: str = "safetensors",
+    moe_weights: str = "packed",
 ) -> LoadedModel:
     """Load the HF folder at `path` onto `device`.
 
     dtype: "auto" (config `dtype`/`torch_dtype`, else the checkpoint's), "float32", "bfloat16",
     "float16". load_format: "safetensors", or "dummy" for seeded random weights built from the
-    config alone (benchmarking a geometry without its checkpoint). Raises ModelLoadError.
+    config alone (benchmarking a geometry without its checkpoint). moe_weights: "packed" keeps
+    MXFP4 experts as on disk (gpt-oss), "dequantized" expands them to `dtype` at load (the
+    reference). Raises ModelLoadError.
     """
     if dtype not in ALLOWED_DTYPES:
         raise ModelLoadError(
@@ -68,6 +73,10 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(
             f"load_format={load_format!r} is not supported; allowed values: {', '.join(LOAD_FORMATS)}"
+        )
+    if moe_weights not in MOE_WEIGHTS:
+        raise ModelLoadError(
+            f"moe_weights={moe_weights!r} is not supported; allowed values: {', '.join(MOE_WEIGHTS)}"
         )
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -80,6 +89,7 @@ def load_model(
         args = family.ModelArgs.from_hf_config(hf_config)
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
+    args.moe_weights = moe_weights
     files = safetensors_io.checkpoint_files(path) if load_format == "safetensors" else []
     target_dtype = resolve_dtype(dtype, raw, files)
     torch_device = resolve_device(device)
@@ -215,13 +225,20 @@ def dummy_weights(
     *,
     norm_value: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """Seeded random weights: norms `norm_value`, biases 0, everything else N(0, 0.02)."""
+    """Seeded random weights: norms `norm_value`, biases 0, MXFP4 bytes uniform with scale 2^-7,
+    everything else N(0, 0.02)."""
     generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
     weights = {}
     for name, shape in expected.items():
         leaf = name.rsplit(".", 2)
         if "norm" in leaf[-2] and leaf[-1] == "weight":
             weights[name] = torch.full(shape, norm_value, dtype=dtype, device=device)
+        elif name.endswith("_blocks"):  # packed MXFP4 codes: uniform random bytes
+            weights[name] = torch.randint(
+                0, 256, shape, dtype=torch.uint8, device=device, generator=generator
+            )
+        elif name.endswith("_scales"):  # MXFP4 exponents: values of magnitude ~DUMMY_STD
+            weights[name] = torch.full(shape, DUMMY_MXFP4_SCALE, dtype=torch.uint8, device=device)
         elif name.endswith("bias"):
             weights[name] = torch.zeros(shape, dtype=dtype, device=device)
         else:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALLOWED_WEIGHT_PACKING = ("auto", "off")
+ALLOWED_MOE_WEIGHTS = ("packed", "dequantized")  # models.loader.MOE_WEIGHTS
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
@@ -49,6 +50,7 @@ class EngineConfig:
     max_waiting: int = 1024
     max_cached_windows: int = 64  # SWA prefix-cache window snapshots kept (LRU)
     weight_packing: str = "auto"  # auto: oneDNN-packed matmul weights on CPU; off: dense
+    moe_weights: str = "packed"  # MXFP4 experts as on disk; "dequantized": expanded at load
     enforce_eager: bool = False  # True: never capture CUDA graphs for decode
     cuda_graph_max_bs: int = 64  # decode batches above this size run eagerly
 
@@ -81,6 +83,11 @@ class EngineConfig:
             raise ValueError(
                 f"weight_packing={self.weight_packing!r} is invalid; allowed values: "
                 f"{', '.join(ALLOWED_WEIGHT_PACKING)}"
+            )
+        if self.moe_weights not in ALLOWED_MOE_WEIGHTS:
+            raise ValueError(
+                f"moe_weights={self.moe_weights!r} is invalid; allowed values: "
+                f"{', '.join(ALLOWED_MOE_WEIGHTS)}"
             )
         if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, int | float):
             raise ValueError(

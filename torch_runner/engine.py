@@ -52,7 +52,11 @@ class Engine:
             path = str(default_model_path())
         self.config = config
         loaded = load_model(
-            path, device=config.device, dtype=config.dtype, load_format=config.load_format
+            path,
+            device=config.device,
+            dtype=config.dtype,
+            load_format=config.load_format,
+            moe_weights=config.moe_weights,
         )
         self.model_path = str(loaded.path)
         self.args = loaded.args

@@ -140,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Default: %(default)s.",
     )
     engine.add_argument(
+        "--moe-weights",
+        choices=("packed", "dequantized"),
+        default=d["moe_weights"],
+        help="packed: MXFP4 MoE experts (gpt-oss) stay as on disk and are computed from directly; "
+        "dequantized: expanded to --dtype at load (3.8x the memory; the reference). "
+        "Default: %(default)s.",
+    )
+    engine.add_argument(
         "--enforce-eager",
         action="store_true",
         help="Never capture CUDA graphs for decode (CUDA only; other devices always run eagerly).",
@@ -195,6 +203,7 @@ def engine_config(args: argparse.Namespace):
         load_format=args.load_format,
         max_waiting=args.max_waiting,
         weight_packing=args.weight_packing,
+        moe_weights=args.moe_weights,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
