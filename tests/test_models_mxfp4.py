@@ -111,7 +111,7 @@ def test_mxfp4_checkpoint_matches_transformers_dequantised_model(tmp_path):
 
 
 def _logits(loaded, ids):
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     return loaded.model.compute_logits(loaded.model(ids, positions, None))
 
 
@@ -180,3 +180,20 @@ def test_engine_greedy_with_packed_experts_equals_transformers(tmp_path):
     outs = engine.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 12)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_experts_on_cuda_equal_the_dequantised_reference(tmp_path):
+    """Each layer's MoE of the packed model on CUDA (the Triton kernel) against the same layer of
+    the dequantised model, on the same hidden states."""
+    path = write_mxfp4_gpt_oss(tmp_path)
+    packed = models.load_model(path, device="cuda", dtype="float32").model
+    dense = models.load_model(path, device="cuda", dtype="float32", moe_weights="dequantized").model
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for ours, ref in zip(packed.model.layers, dense.model.layers):
+        assert ours.mlp.experts.gate_up_proj_blocks.is_cuda
+        hidden = torch.randn(2, 24, packed.args.hidden_size, device="cuda", generator=gen)
+        want = ref.mlp(hidden)
+        scale = want.abs().max().item()
+        torch.testing.assert_close(ours.mlp(hidden) / scale, want / scale, rtol=0, atol=1e-5)

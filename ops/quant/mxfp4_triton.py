@@ -21,8 +21,11 @@ import triton.language as tl
 
 from ops.quant.mxfp4 import GROUP_SIZE, Mxfp4Experts, swiglu
 
-BLOCK_N = 64
-BLOCK_K = 128
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by the step's shape, from `tools/bench_mxfp4.py op
+# --sweep` on the H200 (gpt-oss-20b layer, CUDA graph): one token is best with narrow column
+# tiles (more programs for 4 experts), 8-64 tokens with wide ones (each byte decoded once for
+# more rows). BLOCK_M 64 (prefill) was not swept.
+CONFIGS = {"one_token": (32, 128, 4, 3), 16: (128, 128, 4, 3), 64: (64, 128, 4, 3)}
 
 
 @triton.jit
@@ -143,13 +146,18 @@ def expert_matmul(
     top_k: int,
     block_m: int,
     a_rows_by_slot: bool,
+    config: tuple[int, int, int, int] | None = None,
 ):
     """One routed MXFP4 matmul: rows of `a` (tokens or slots) @ W[expert].T + bias[expert]."""
     slot_pair, block_expert, num_slots_used = routing
+    key = "one_token" if block_m == 16 and num_pairs <= top_k else block_m
+    block_n, block_k, num_warps, num_stages = config or CONFIGS[key]
+    if not (packed.blocks.is_contiguous() and packed.scales.is_contiguous()):
+        raise ValueError("moe_gpt_oss: MXFP4 blocks and scales must be contiguous")
     n, k = packed.out_features, packed.in_features
     out_rows = num_pairs if a_rows_by_slot else slot_pair.shape[0]
     out = torch.empty(out_rows, n, dtype=a.dtype, device=a.device)
-    grid = (block_expert.shape[0], triton.cdiv(n, BLOCK_N))
+    grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _mxfp4_expert_matmul[grid](
         a,
         packed.blocks,
@@ -169,9 +177,10 @@ def expert_matmul(
         OUT_ROWS_BY_SLOT=not a_rows_by_slot,
         IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        num_warps=4,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -185,6 +194,7 @@ def moe_experts_mxfp4(
     down_bias: torch.Tensor,
     limit: float,
     alpha: float,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x [T, H], top_idx [T, k] -> each pair's expert output [T, k, H] (before the router weights)."""
     if gate_up.in_features % GROUP_SIZE or down.in_features % GROUP_SIZE:
@@ -194,7 +204,7 @@ def moe_experts_mxfp4(
     block_m = block_m_for(num_pairs)
     routing = align_by_expert(top_idx, gate_up.num_experts, block_m)
     x = x.contiguous()
-    common = {"num_pairs": num_pairs, "top_k": top_k, "block_m": block_m}
+    common = {"num_pairs": num_pairs, "top_k": top_k, "block_m": block_m, "config": config}
     h = expert_matmul(x, gate_up, gate_up_bias, routing, a_rows_by_slot=False, **common)  # [S, 2I]
     h = swiglu(h, limit, alpha).contiguous()  # [S, I]; padding rows hold garbage, never read out
     y = expert_matmul(h, down, down_bias, routing, a_rows_by_slot=True, **common)  # [P, H]
