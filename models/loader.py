@@ -23,6 +23,7 @@ from bridge import resolve_device
 from models import safetensors_io
 from models.errors import ModelLoadError
 from models.layers import fuse_projections
+from models.quantize import QUANTIZATIONS, quantize_linears
 from models.registry import get_family
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ def load_model(
     dtype: str = "auto",
     load_format: str = "safetensors",
     moe_weights: str = "packed",
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load the HF folder at `path` onto `device`.
 
@@ -64,7 +66,8 @@ def load_model(
     "float16". load_format: "safetensors", or "dummy" for seeded random weights built from the
     config alone (benchmarking a geometry without its checkpoint). moe_weights: "packed" keeps
     MXFP4 experts as on disk (gpt-oss), "dequantized" expands them to `dtype` at load (the
-    reference). Raises ModelLoadError.
+    reference). quantization: "none", or "int8" / "int4" weight-only linears (models/quantize.py).
+    Raises ModelLoadError.
     """
     if dtype not in ALLOWED_DTYPES:
         raise ModelLoadError(
@@ -77,6 +80,11 @@ def load_model(
     if moe_weights not in MOE_WEIGHTS:
         raise ModelLoadError(
             f"moe_weights={moe_weights!r} is not supported; allowed values: {', '.join(MOE_WEIGHTS)}"
+        )
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"quantization={quantization!r} is not supported; allowed values: "
+            f"{', '.join(QUANTIZATIONS)}"
         )
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -115,6 +123,8 @@ def load_model(
     model.to(torch_device)  # the non-persistent rope tables were built on CPU
     model.eval().requires_grad_(False)
     fuse_projections(model)  # q/k/v and gate/up as one matmul each; the state dict is unchanged
+    if quantization != "none":
+        _quantize(model, quantization, torch_device, target_dtype)
     generation_config = read_generation_config(path)
     logger.info(
         "loaded %s (%s) from %s on %s as %s",
@@ -132,6 +142,18 @@ def load_model(
         eos_token_ids=eos_token_ids(generation_config, raw),
         generation_config=generation_config,
     )
+
+
+def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    from ops.quant.int_linear import can_run
+
+    reason = can_run(mode, device.type, dtype)
+    if reason is not None:
+        raise ModelLoadError(
+            f"quantization={mode!r} cannot run on {device.type} with dtype {dtype} in this torch "
+            f"build ({reason})"
+        )
+    quantize_linears(model, mode)
 
 
 def read_config(path: Path) -> dict[str, Any]:

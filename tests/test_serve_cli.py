@@ -104,3 +104,11 @@ def test_mlx_gate_passes_on_cpu_then_the_model_is_resolved(run_main):
     )
     assert code == 2
     assert "could not start the engine" in stderr and MISSING_MODEL in stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--quantization", "int3"), ("--moe-weights", "fp4")])
+def test_unknown_quantization_flags_exit_naming_value_and_choices(run_main, flag, value):
+    code, stderr = run_main("--model", MISSING_MODEL, flag, value)
+    assert code == 2
+    assert value in stderr and flag in stderr
+    assert MISSING_MODEL not in stderr

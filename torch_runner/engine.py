@@ -57,6 +57,7 @@ class Engine:
             dtype=config.dtype,
             load_format=config.load_format,
             moe_weights=config.moe_weights,
+            quantization=config.quantization,
         )
         self.model_path = str(loaded.path)
         self.args = loaded.args

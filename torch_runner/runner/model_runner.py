@@ -93,8 +93,11 @@ class ModelRunner:
         eos_token_ids=(),
     ):
         self.model = loaded.model
-        self.is_packed = (
-            device.type == "cpu" and config.weight_packing == "auto" and ops.can_pack(dtype)
+        self.is_packed = (  # quantized linears use their own kernels (ops/quant/int_linear.py)
+            device.type == "cpu"
+            and config.weight_packing == "auto"
+            and config.quantization == "none"
+            and ops.can_pack(dtype)
         )
         if self.is_packed:  # oneDNN-packed matmul weights (ops/linear.py): faster CPU decode
             pack_linear_weights(self.model)

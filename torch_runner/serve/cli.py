@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Default: %(default)s.",
     )
     engine.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        default=d["quantization"],
+        help="Weight-only quantization of every dense linear and the lm_head at load: int8 per "
+        "output channel, int4 per 32 input columns (torch's int8/int4 pack kernels). "
+        "Default: %(default)s.",
+    )
+    engine.add_argument(
         "--enforce-eager",
         action="store_true",
         help="Never capture CUDA graphs for decode (CUDA only; other devices always run eagerly).",
@@ -204,6 +212,7 @@ def engine_config(args: argparse.Namespace):
         max_waiting=args.max_waiting,
         weight_packing=args.weight_packing,
         moe_weights=args.moe_weights,
+        quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
