@@ -58,16 +58,18 @@ def load_model(
     dtype: str = "auto",
     load_format: str = "safetensors",
     moe_weights: str = "packed",
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load the HF folder at `path` onto `device`.
 
-    dtype: "auto" (config `dtype`/`torch_dtype`, else the checkpoint's), "float32", "bfloat16",
-    "float16". load_format: "safetensors", or "dummy" for seeded random weights built from the
-    config alone (benchmarking a geometry without its checkpoint). moe_weights: "packed" keeps
-    MXFP4 experts as on disk (gpt-oss), "dequantized" expands them to `dtype` at load (the
-    reference). quantization: "none", or "int8" / "int4" weight-only linears (models/quantize.py).
-    Raises ModelLoadError.
+        dtype: "auto" (config `dtype`/`torch_dtype`, else the checkpoint's), "float32", "bfloat16",
+        "float16". load_format: "safetensors", or "dummy" for seeded random weights built from the
+        config alone (benchmarking a geometry without its checkpoint). moe_weights: "packed" keeps
+        MXFP4 experts as on disk (gpt-oss), "dequantized" expands them to `dtype` at load (the
+        reference). quantization: "auto" (what the checkpoint holds: a GGUF's Q4/Q8 types, else
+    none), "none", or "int8" / "int4" weight-only linears (models/quantize.py). `path` may also be
+    a GGUF file or a folder holding one (models/gguf_loader.py).
+        Raises ModelLoadError.
     """
     if dtype not in ALLOWED_DTYPES:
         raise ModelLoadError(
@@ -87,6 +89,8 @@ def load_model(
             f"{', '.join(QUANTIZATIONS)}"
         )
     path = Path(path).expanduser()
+    if (gguf_file := _gguf_file(path)) is not None:  # GGUF checkpoints: models/gguf_loader.py
+        return _load_gguf(gguf_file, device=device, dtype=dtype, quantization=quantization)
     if not path.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} does not exist or is not a directory")
     raw = read_config(path)
@@ -123,7 +127,7 @@ def load_model(
     model.to(torch_device)  # the non-persistent rope tables were built on CPU
     model.eval().requires_grad_(False)
     fuse_projections(model)  # q/k/v and gate/up as one matmul each; the state dict is unchanged
-    if quantization != "none":
+    if quantization not in ("none", "auto"):  # auto: the checkpoint's own (GGUF); else none
         _quantize(model, quantization, torch_device, target_dtype)
     generation_config = read_generation_config(path)
     logger.info(
@@ -144,7 +148,20 @@ def load_model(
     )
 
 
-def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype) -> None:
+def _gguf_file(path: Path):
+    from models.gguf_loader import find_gguf
+
+    return find_gguf(path)
+
+
+def _load_gguf(file: Path, **kwargs) -> LoadedModel:
+    from models.gguf_loader import load_gguf_model
+
+    return load_gguf_model(file, **kwargs)
+
+
+def check_quantization_runs(mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    """A ModelLoadError when this torch build cannot run `mode` for `dtype` on `device`."""
     from ops.quant.int_linear import can_run
 
     reason = can_run(mode, device.type, dtype)
@@ -153,6 +170,10 @@ def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype) -> Non
             f"quantization={mode!r} cannot run on {device.type} with dtype {dtype} in this torch "
             f"build ({reason})"
         )
+
+
+def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    check_quantization_runs(mode, device, dtype)
     quantize_linears(model, mode)
 
 

@@ -16,26 +16,44 @@ import torch
 from torch import nn
 
 from models.layers import Attention, GatedMLP, PackedHead
-from ops.quant.int_linear import QuantizedLinearWeight, check_int4_shape, quantize_weight
+from ops.quant.int_linear import (
+    QuantizedLinearWeight,
+    check_int4_shape,
+    pack_int4,
+    quantize_weight,
+)
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # auto: the checkpoint's own (loader)
 INT4_GROUP_SIZE = 32  # llama.cpp's Q4_0 / Q4_1 block size
 
 
-def quantize_linears(model: nn.Module, mode: str) -> int:
-    """Quantize the model's linears in place; returns how many weights were replaced."""
-    if mode not in QUANTIZATIONS:
+def quantize_linears(
+    model: nn.Module, mode: str, int4_sources: dict | None = None, head_mode: str | None = None
+) -> int:
+    """Quantize the model's linears in place; returns how many weights were replaced.
+
+    int4_sources: HF weight name -> (codes [N, K], scales, zeros [N, K/32]) already in int4 form
+    (a GGUF's Q4 blocks); those are packed as they are, fused rows concatenated, not re-derived.
+    head_mode: the lm_head's own mode when it differs (a GGUF with a Q8_0 embedding); default `mode`.
+    """
+    if mode not in QUANTIZATIONS or mode == "auto":
         raise ValueError(
             f"quantization={mode!r} is not supported; allowed values: {', '.join(QUANTIZATIONS)}"
         )
     if mode == "none":
         return 0
     count = 0
+    int4_sources = int4_sources or {}
 
-    def quantize(weight: torch.Tensor, name: str) -> QuantizedLinearWeight | torch.Tensor:
+    def quantize(weight: torch.Tensor, name: str, parts=()) -> QuantizedLinearWeight | torch.Tensor:
         nonlocal count
+        names = [f"{name}.{p}.weight" for p in parts] or [f"{name}.weight"]
+        if mode == "int4" and all(n in int4_sources for n in names):
+            count += 1
+            codes, scales, zeros = (torch.cat(a) for a in zip(*(int4_sources[n] for n in names)))
+            return pack_int4(codes, scales, zeros, INT4_GROUP_SIZE, weight.dtype)
         if mode == "int4":
             try:
                 check_int4_shape(*weight.shape, INT4_GROUP_SIZE)
@@ -49,7 +67,8 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
         if isinstance(module, Attention):
             if module.qkv_weight is None:
                 module.fuse()
-            _replace_buffer(module, "qkv_weight", quantize(module.qkv_weight, f"{name}.qkv"))
+            qkv = quantize(module.qkv_weight, name, ("q_proj", "k_proj", "v_proj"))
+            _replace_buffer(module, "qkv_weight", qkv)
             _to_placeholders(module.q_proj, module.k_proj, module.v_proj)
             _replace_weight(module.o_proj, quantize(module.o_proj.weight, f"{name}.o_proj"))
         elif isinstance(module, GatedMLP):
@@ -63,6 +82,10 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
                 module.down_proj, quantize(module.down_proj.weight, f"{name}.down_proj")
             )
     head = getattr(model, "lm_head", False)
+    if head_mode not in (None, mode):
+        mode = head_mode
+        if mode == "none":
+            head = False
     if head is None:  # tied: quantize a copy of the embedding as the head
         model.lm_head = PackedHead(model.model.embed_tokens.weight)
         _replace_buffer(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALLOWED_WEIGHT_PACKING = ("auto", "off")
 ALLOWED_MOE_WEIGHTS = ("packed", "dequantized")  # models.loader.MOE_WEIGHTS
-ALLOWED_QUANTIZATION = ("none", "int8", "int4")  # models.quantize.QUANTIZATIONS
+ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4")  # models.quantize.QUANTIZATIONS
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
@@ -52,7 +52,7 @@ class EngineConfig:
     max_cached_windows: int = 64  # SWA prefix-cache window snapshots kept (LRU)
     weight_packing: str = "auto"  # auto: oneDNN-packed matmul weights on CPU; off: dense
     moe_weights: str = "packed"  # MXFP4 experts as on disk; "dequantized": expanded at load
-    quantization: str = "none"  # int8 / int4: weight-only quantized linears (models/quantize.py)
+    quantization: str = "auto"  # auto: the checkpoint's (GGUF Q4 -> int4, Q8_0 -> int8), else none
     enforce_eager: bool = False  # True: never capture CUDA graphs for decode
     cuda_graph_max_bs: int = 64  # decode batches above this size run eagerly
 

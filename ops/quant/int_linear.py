@@ -106,15 +106,23 @@ def quantize_int4(
     n, k = weight.shape
     check_int4_shape(n, k, group_size)
     codes, scales, zeros = int4_codes(weight, group_size)
+    return pack_int4(codes, scales, zeros, group_size, weight.dtype, keep_codes)
+
+
+def pack_int4(
+    codes, scales, zeros, group_size: int, dtype: torch.dtype, keep_codes=False
+) -> Int4Weight:
+    """Codes [N, K] (0..15) with scales / zeros [N, K/g] -> torch's packed int4 layout."""
+    n, k = codes.shape
+    check_int4_shape(n, k, group_size)
     sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
-    if weight.device.type == "cpu":
+    codes = codes.to(torch.int32).contiguous()
+    if codes.device.type == "cpu":
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INT4_INNER_K_TILES)
     else:  # CUDA takes two codes per byte, the even column in the high nibble
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
         packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
-    return Int4Weight(
-        packed, sz.to(weight.dtype), group_size, (n, k), codes if keep_codes else None
-    )
+    return Int4Weight(packed, sz.to(dtype), group_size, (n, k), codes if keep_codes else None)
 
 
 def dequantize_int4(codes, scales_and_zeros, group_size: int) -> torch.Tensor:

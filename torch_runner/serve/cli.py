@@ -149,10 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--quantization",
-        choices=("none", "int8", "int4"),
+        choices=("auto", "none", "int8", "int4"),
         default=d["quantization"],
         help="Weight-only quantization of every dense linear and the lm_head at load: int8 per "
-        "output channel, int4 per 32 input columns (torch's int8/int4 pack kernels). "
+        "output channel, int4 per 32 input columns (torch's int8/int4 pack kernels); auto: what "
+        "the checkpoint holds (a GGUF's Q4_0/Q4_1 -> int4, Q8_0 -> int8; else none). "
         "Default: %(default)s.",
     )
     engine.add_argument(
