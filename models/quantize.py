@@ -74,9 +74,8 @@ def quantize_linears(
         elif isinstance(module, GatedMLP):
             if module.gate_up_weight is None:
                 module.fuse()
-            _replace_buffer(
-                module, "gate_up_weight", quantize(module.gate_up_weight, f"{name}.gate_up")
-            )
+            gate_up = quantize(module.gate_up_weight, name, ("gate_proj", "up_proj"))
+            _replace_buffer(module, "gate_up_weight", gate_up)
             _to_placeholders(module.gate_proj, module.up_proj)
             _replace_weight(
                 module.down_proj, quantize(module.down_proj.weight, f"{name}.down_proj")
