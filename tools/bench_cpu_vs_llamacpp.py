@@ -72,6 +72,28 @@ def gguf_file(folder: Path, outtype: str, llama_src: Path, work: Path) -> Path:
     return target
 
 
+def open_llama(path: Path, threads: int):
+    """llama.cpp with its extra (AMX repack) buffer types off: on this VM its AMX repacked q8_0 /
+    q4 matmuls crash with SIGSEGV (the OS may not grant AMX tile state); f32 / bf16 never use them."""
+    import llama_cpp.llama_cpp as low
+    from llama_cpp import Llama
+
+    default_params = low.llama_model_default_params
+
+    def params():
+        value = default_params()
+        value.use_extra_bufts = False
+        return value
+
+    low.llama_model_default_params = params
+    try:
+        return Llama(
+            str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False
+        )
+    finally:
+        low.llama_model_default_params = default_params
+
+
 def ours_tok_s(engine, prompt: list[int], gen_len: int) -> float:
     from ops.sampling.params import SamplingParams
 
@@ -112,8 +134,6 @@ def main() -> None:
     parser.add_argument("--pairs", default="all", help="comma list of indexes into PAIRS, or all")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from llama_cpp import Llama
-
     from models.default_model import default_model_path
     from torch_runner import Engine
 
@@ -132,8 +152,7 @@ def main() -> None:
         )
         prompt = engine.tokenizer("The history of the lighthouse is a history of people trying to make the sea a little "
                                   "less dangerous. For centuries, ships").input_ids[:32]  # fmt: skip
-        llm = Llama(str(gguf_file(folder, outtype, args.llama_src, args.work)), n_threads=args.threads,
-                    n_threads_batch=args.threads, n_ctx=512, verbose=False)  # fmt: skip
+        llm = open_llama(gguf_file(folder, outtype, args.llama_src, args.work), args.threads)
         ours_tok_s(engine, prompt, 8), llama_tok_s(llm, prompt, 8)  # warm-up
         ours, theirs = [], []
         for r in range(args.rounds):
