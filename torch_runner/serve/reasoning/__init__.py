@@ -1,2 +1,30 @@
 """serve.reasoning: reasoning parsers (`<think>` models, gpt-oss harmony channels), a registry by vLLM's
 parser names. Pure text/token parsing over serve.parsing: imports no engine, runner or torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_runner.serve.parsing import OutputParser
+from torch_runner.serve.reasoning.harmony import HarmonyParser
+from torch_runner.serve.reasoning.think import ThinkParser, prompt_opens_think
+
+HARMONY_PARSER = "openai_gptoss"
+# vLLM's --reasoning-parser names -> does output always start inside the reasoning?
+THINK_PARSERS = {"qwen3": False, "deepseek_r1": True}
+REASONING_PARSERS = (*THINK_PARSERS, HARMONY_PARSER)
+
+
+def make_reasoning_parser(
+    name: str, *, prompt_text: str = "", harmony_encoding: Any = None
+) -> OutputParser:
+    """A fresh parser for one choice. `prompt_text`: the rendered prompt (did it open `<think>`?)."""
+    if name == HARMONY_PARSER:
+        if harmony_encoding is None:
+            raise ValueError("the openai_gptoss parser needs the harmony encoding")
+        return HarmonyParser(harmony_encoding)
+    if name not in THINK_PARSERS:
+        raise ValueError(
+            f"unknown reasoning parser {name!r}; allowed: {', '.join(REASONING_PARSERS)}"
+        )
+    return ThinkParser(THINK_PARSERS[name] or prompt_opens_think(prompt_text))

@@ -1,0 +1,115 @@
+"""gpt-oss harmony output -> reasoning_content, content and tool_calls, by token id.
+
+openai-harmony's `StreamableParser` reads the generated ids (the prompt ends in
+`<|start|>assistant`, so output begins with the header). Each message's channel picks the field:
+`analysis` -> reasoning_content; `final`, or `commentary` with no recipient (a preamble) ->
+content; `commentary` addressed `to=functions.NAME` -> a tool call whose arguments are the
+message body; any other recipient (built-in tools this server does not run) -> reasoning_content.
+Output that is not harmony (a random or badly tuned model) is never dropped: a header that never
+reaches `<|message|>`, and everything from a token the parser rejects on, becomes content
+(special tokens left out).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from torch_runner.serve.parsing import DeltaMessage, ParsedMessage, ToolCallDelta, accumulate
+
+FUNCTIONS_PREFIX = "functions."
+REPLACEMENT = "\ufffd"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class HarmonyParser:
+    """One per choice, over openai-harmony's gpt-oss encoding (see harmony_encoding.py)."""
+
+    def __init__(self, encoding: Any):
+        import openai_harmony as harmony
+
+        self.encoding = encoding
+        self.parser = harmony.StreamableParser(encoding, harmony.Role.ASSISTANT)
+        self.header_ids: list[int] = []  # ids of a header not yet closed by <|message|>
+        self.raw_ids: list[int] | None = None  # set once output stops being harmony
+        self.raw_sent = 0  # characters of decode(raw_ids) already sent
+        self.num_calls = 0
+        self.call_message: int | None = None  # index in parser.messages of the open tool call
+
+    def feed(self, delta_text: str, delta_token_ids: list[int]) -> DeltaMessage:
+        delta = DeltaMessage()
+        for token_id in delta_token_ids:
+            self._process(token_id, delta)
+        self._send_raw(delta, is_final=False)
+        return delta
+
+    def finish(self) -> DeltaMessage:
+        delta = DeltaMessage()
+        if self.raw_ids is None and self.header_ids:
+            self.raw_ids = self.header_ids  # a header that never opened a message: show it
+        self._send_raw(delta, is_final=True)
+        return delta
+
+    def parse(self, text: str, token_ids: list[int]) -> ParsedMessage:
+        parser = HarmonyParser(self.encoding)
+        return accumulate([parser.feed(text, token_ids), parser.finish()])
+
+    def _process(self, token_id: int, delta: DeltaMessage) -> None:
+        if self.raw_ids is not None:
+            self.raw_ids.append(token_id)
+            return
+        import openai_harmony as harmony
+
+        try:
+            self.parser.process(token_id)
+        except harmony.HarmonyError:  # not harmony any more: the rest is plain text
+            self.raw_ids = [*self.header_ids, token_id]
+            return
+        state = self.parser.state
+        if state == harmony.StreamState.HEADER:
+            self.header_ids.append(token_id)
+            return
+        self.header_ids = []
+        if state != harmony.StreamState.CONTENT:
+            return
+        recipient = self.parser.current_recipient or ""
+        if recipient.startswith(FUNCTIONS_PREFIX):
+            self._open_call(recipient, delta)
+        piece = self.parser.last_content_delta
+        if piece:
+            self._route(piece, recipient, delta)
+
+    def _open_call(self, recipient: str, delta: DeltaMessage) -> None:
+        """At the call's `<|message|>`: its index, id and name, before any argument."""
+        message_index = len(self.parser.messages)
+        if self.call_message == message_index:
+            return
+        self.call_message = message_index
+        self.num_calls += 1
+        name = recipient[len(FUNCTIONS_PREFIX) :]
+        delta.tool_calls.append(
+            ToolCallDelta(index=self.num_calls - 1, id=new_call_id(), name=name)
+        )
+
+    def _route(self, piece: str, recipient: str, delta: DeltaMessage) -> None:
+        if recipient.startswith(FUNCTIONS_PREFIX):
+            delta.tool_calls.append(ToolCallDelta(index=self.num_calls - 1, arguments=piece))
+        elif self.parser.current_channel == "analysis" or recipient:
+            delta.reasoning_content = (delta.reasoning_content or "") + piece
+        else:
+            delta.content = (delta.content or "") + piece
+
+    def _send_raw(self, delta: DeltaMessage, is_final: bool) -> None:
+        """Plain-text fallback, decoded incrementally (a split UTF-8 character waits)."""
+        if not self.raw_ids:
+            return
+        text = self.encoding.decode(
+            [t for t in self.raw_ids if not self.encoding.is_special_token(t)]
+        )  # special tokens stay hidden, as skip_special_tokens hides them from plain text
+        end = len(text) if is_final else len(text) - (text.endswith(REPLACEMENT))
+        if end > self.raw_sent:
+            delta.content = (delta.content or "") + text[self.raw_sent : end]
+            self.raw_sent = end
