@@ -16,13 +16,12 @@ REASONING_PARSERS = (*THINK_PARSERS, HARMONY_PARSER)
 
 
 def make_reasoning_parser(
-    name: str, *, prompt_text: str = "", harmony_encoding: Any = None
+    name: str, tokenizer: Any = None, *, prompt_text: str = "", harmony_encoding: Any = None
 ) -> OutputParser:
-    """A fresh parser for one choice. `prompt_text`: the rendered prompt (did it open `<think>`?)."""
+    """A fresh parser for one choice. `prompt_text`: the rendered prompt (did it open `<think>`?);
+    the harmony parser takes the encoding, or loads it from the model's `tokenizer`."""
     if name == HARMONY_PARSER:
-        if harmony_encoding is None:
-            raise ValueError("the openai_gptoss parser needs the harmony encoding")
-        return HarmonyParser(harmony_encoding)
+        return HarmonyParser(tokenizer, encoding=harmony_encoding)
     if name not in THINK_PARSERS:
         raise ValueError(
             f"unknown reasoning parser {name!r}; allowed: {', '.join(REASONING_PARSERS)}"

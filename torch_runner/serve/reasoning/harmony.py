@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 from torch_runner.serve.parsing import DeltaMessage, ParsedMessage, ToolCallDelta, accumulate
+from torch_runner.serve.reasoning.harmony_encoding import load_harmony_encoding
 
 FUNCTIONS_PREFIX = "functions."
 REPLACEMENT = "\ufffd"
@@ -26,12 +27,13 @@ def new_call_id() -> str:
 
 
 class HarmonyParser:
-    """One per choice, over openai-harmony's gpt-oss encoding (see harmony_encoding.py)."""
+    """One per choice, over openai-harmony's gpt-oss encoding: given, or loaded (once) from the
+    model's `tokenizer` (see harmony_encoding.py)."""
 
-    def __init__(self, encoding: Any):
+    def __init__(self, tokenizer: Any = None, *, encoding: Any = None):
         import openai_harmony as harmony
 
-        self.encoding = encoding
+        self.encoding = encoding if encoding is not None else load_harmony_encoding(tokenizer)
         self.parser = harmony.StreamableParser(encoding, harmony.Role.ASSISTANT)
         self.header_ids: list[int] = []  # ids of a header not yet closed by <|message|>
         self.raw_ids: list[int] | None = None  # set once output stops being harmony
@@ -54,7 +56,7 @@ class HarmonyParser:
         return delta
 
     def parse(self, text: str, token_ids: list[int]) -> ParsedMessage:
-        parser = HarmonyParser(self.encoding)
+        parser = HarmonyParser(encoding=self.encoding)
         return accumulate([parser.feed(text, token_ids), parser.finish()])
 
     def _process(self, token_id: int, delta: DeltaMessage) -> None:

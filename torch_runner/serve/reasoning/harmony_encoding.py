@@ -31,15 +31,9 @@ class HarmonyUnavailableError(RuntimeError):
 
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: the byte-level BPE alphabet back to bytes."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    byte_values, code_points, extra = list(printable), list(printable), 0
-    for b in range(256):
-        if b not in byte_values:
-            byte_values.append(b)
-            code_points.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(byte_values, code_points)}
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 def tiktoken_text(tokenizer: Any) -> str:
@@ -88,8 +82,15 @@ def _load(folder: str) -> Any:
     return harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
 
 
+_CHECKED: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) -> (tokenizer, encoding)
+
+
 def load_harmony_encoding(tokenizer: Any) -> Any:
-    """openai-harmony's HARMONY_GPT_OSS encoding, without network; checked against `tokenizer`."""
+    """openai-harmony's HARMONY_GPT_OSS encoding, without network; checked against `tokenizer`
+    (once per tokenizer object: parsers are built per choice)."""
+    known = _CHECKED.get(id(tokenizer))
+    if known is not None and known[0] is tokenizer:
+        return known[1]
     try:
         import openai_harmony  # noqa: F401
     except ImportError:
@@ -114,4 +115,5 @@ def load_harmony_encoding(tokenizer: Any) -> Any:
             raise HarmonyUnavailableError(
                 f"the tokenizer's {name} is id {ours}, openai-harmony's is {theirs}"
             )
+    _CHECKED[id(tokenizer)] = (tokenizer, encoding)
     return encoding
