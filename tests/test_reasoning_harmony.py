@@ -138,6 +138,16 @@ def test_stream_equals_parse_at_every_token_split(harmony_encoding, case):
     assert [(p.index, p.arguments) for p in firsts] == [(i, "") for i in range(len(want[2]))]
 
 
+def test_other_special_tokens_carry_no_text(harmony_encoding):
+    """An end-of-text token after an answer (a grammar or EOS ending it) is not content."""
+    ids = generated(harmony_encoding, [analysis(REASONING), final(ANSWER)], "<|end|>")
+    ids += harmony_encoding.encode("<|endoftext|>", allowed_special="all")
+    parsed = make_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
+        "", ids
+    )
+    assert (parsed.reasoning_content, parsed.content) == (REASONING, ANSWER)
+
+
 def test_two_parallel_calls_get_their_own_indexes(harmony_encoding):
     messages = [call("get_weather", ARGUMENTS), call("get_time", '{"tz": "CET"}')]
     ids = generated(harmony_encoding, messages[:1], "<|call|>") + list(

@@ -19,6 +19,10 @@ from torch_runner.serve.parsing import DeltaMessage, ParsedMessage, ToolCallDelt
 from torch_runner.serve.reasoning.harmony_encoding import load_harmony_encoding
 
 FUNCTIONS_PREFIX = "functions."
+# The special tokens harmony is written with; any other special token (<|endoftext|>, a
+# grammar's end) carries no text and is skipped.
+STRUCTURE = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+STRUCTURE += ("<|constrain|>",)
 REPLACEMENT = "\ufffd"
 
 
@@ -34,6 +38,9 @@ class HarmonyParser:
         import openai_harmony as harmony
 
         self.encoding = encoding if encoding is not None else load_harmony_encoding(tokenizer)
+        self.structure_ids = {
+            t for name in STRUCTURE for t in self.encoding.encode(name, allowed_special="all")
+        }
         self.parser = harmony.StreamableParser(encoding, harmony.Role.ASSISTANT)
         self.header_ids: list[int] = []  # ids of a header not yet closed by <|message|>
         self.raw_ids: list[int] | None = None  # set once output stops being harmony
@@ -65,6 +72,8 @@ class HarmonyParser:
             return
         import openai_harmony as harmony
 
+        if token_id not in self.structure_ids and self.encoding.is_special_token(token_id):
+            return
         try:
             self.parser.process(token_id)
         except harmony.HarmonyError:  # not harmony any more: the rest is plain text
