@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from torch_runner.serve.parsing import accumulate
-from torch_runner.serve.reasoning import make_reasoning_parser
+from torch_runner.serve.reasoning import new_reasoning_parser
 from torch_runner.serve.reasoning.harmony_encoding import (
     HarmonyUnavailableError,
     load_harmony_encoding,
@@ -113,7 +113,7 @@ def expected(messages):
 def test_parse_routes_each_channel(harmony_encoding, case):
     messages, last = CASES[case]
     ids = generated(harmony_encoding, messages, last)
-    parsed = make_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
+    parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
         "", ids
     )
     calls = [(c.name, c.arguments) for c in parsed.tool_calls]
@@ -127,11 +127,11 @@ def test_stream_equals_parse_at_every_token_split(harmony_encoding, case):
     ids = generated(harmony_encoding, messages, last)
     want = expected(messages)
     for cut in range(len(ids) + 1):
-        parser = make_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
+        parser = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
         streamed = stream(parser, [ids[:cut], ids[cut:]])
         calls = [(c.name, c.arguments) for c in streamed.tool_calls]
         assert (streamed.reasoning_content, streamed.content, calls) == want, cut
-    parser = make_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
+    parser = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
     deltas = [parser.feed("", [t]) for t in ids] + [parser.finish()]
     firsts = [piece for d in deltas for piece in d.tool_calls if piece.id]
     # OpenAI's order: a call's first delta carries its index, id and name, and no arguments yet.
@@ -142,7 +142,7 @@ def test_other_special_tokens_carry_no_text(harmony_encoding):
     """An end-of-text token after an answer (a grammar or EOS ending it) is not content."""
     ids = generated(harmony_encoding, [analysis(REASONING), final(ANSWER)], "<|end|>")
     ids += harmony_encoding.encode("<|endoftext|>", allowed_special="all")
-    parsed = make_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
+    parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
         "", ids
     )
     assert (parsed.reasoning_content, parsed.content) == (REASONING, ANSWER)
@@ -153,7 +153,7 @@ def test_two_parallel_calls_get_their_own_indexes(harmony_encoding):
     ids = generated(harmony_encoding, messages[:1], "<|call|>") + list(
         harmony_encoding.render(messages[1])
     )
-    parser = make_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
+    parser = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
     parsed = stream(parser, [[t] for t in ids])
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == expected(messages)[2]
     assert len({c.id for c in parsed.tool_calls}) == 2
@@ -162,14 +162,14 @@ def test_two_parallel_calls_get_their_own_indexes(harmony_encoding):
 def test_output_that_is_not_harmony_is_kept_as_content(harmony_encoding):
     text = "Plain words, no channels at all."
     ids = harmony_encoding.encode(text)
-    parsed = make_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
+    parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
         "", ids
     )
     assert (parsed.reasoning_content, parsed.content) == (None, text)
     # Valid reasoning, then a token where <|start|> must come: the rest becomes content.
     ids = generated(harmony_encoding, [analysis(REASONING)], "<|end|>") + ids
     for cut in range(len(ids) + 1):
-        parser = make_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
+        parser = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
         streamed = stream(parser, [ids[:cut], ids[cut:]])
         assert (streamed.reasoning_content, streamed.content) == (REASONING, text), cut
 

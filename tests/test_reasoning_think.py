@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from torch_runner.serve.parsing import ParsedMessage, accumulate
-from torch_runner.serve.reasoning import REASONING_PARSERS, make_reasoning_parser
+from torch_runner.serve.reasoning import REASONING_PARSERS, new_reasoning_parser
 from torch_runner.serve.reasoning.think import ThinkParser, prompt_opens_think
 
 REASONING = "The user greets me. <b>Be</b> brief: 2 < 3 and </thin is not a tag."
@@ -74,7 +74,7 @@ def stream(parser, chunks: list[str]) -> ParsedMessage:
 @pytest.mark.parametrize("case", CASES)
 def test_parse_splits_reasoning_from_content(case):
     text, name, prompt, reasoning, content = CASES[case]
-    parsed = make_reasoning_parser(name, prompt_text=prompt).parse(text, [])
+    parsed = new_reasoning_parser(name, prompt_text=prompt).parse(text, [])
     assert (parsed.reasoning_content, parsed.content) == (reasoning, content)
     assert parsed.tool_calls == []
 
@@ -83,7 +83,7 @@ def test_parse_splits_reasoning_from_content(case):
 def test_stream_equals_parse_at_every_split(case):
     text, name, prompt, reasoning, content = CASES[case]
     for cut in range(len(text) + 1):
-        parser = make_reasoning_parser(name, prompt_text=prompt)
+        parser = new_reasoning_parser(name, prompt_text=prompt)
         streamed = stream(parser, [text[:cut], text[cut:]])
         assert (streamed.reasoning_content, streamed.content) == (reasoning, content), cut
 
@@ -95,7 +95,7 @@ def test_stream_equals_parse_at_every_pair_of_splits(case):
     text, name, prompt, reasoning, content = CASES[case]
     for first in range(0, len(text) + 1, 3):
         for second in range(first, len(text) + 1):
-            parser = make_reasoning_parser(name, prompt_text=prompt)
+            parser = new_reasoning_parser(name, prompt_text=prompt)
             streamed = stream(parser, [text[:first], text[first:second], text[second:]])
             assert (streamed.reasoning_content, streamed.content) == (reasoning, content)
 
@@ -121,4 +121,4 @@ def test_prompt_opens_think():
 def test_registry_names_follow_vllm():
     assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "openai_gptoss"}
     with pytest.raises(ValueError, match="allowed: qwen3, deepseek_r1, openai_gptoss"):
-        make_reasoning_parser("qwen")
+        new_reasoning_parser("qwen")

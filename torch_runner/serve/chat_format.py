@@ -15,7 +15,7 @@ from typing import Any
 
 from torch_runner.serve.errors import InvalidRequestError
 from torch_runner.serve.parsing import OutputParser, PlainParser
-from torch_runner.serve.reasoning import HARMONY_PARSER, REASONING_PARSERS, make_reasoning_parser
+from torch_runner.serve.reasoning import HARMONY_PARSER, REASONING_PARSERS, new_reasoning_parser
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ChatFormat:
         """A fresh parser for one choice (think parsers look at how the prompt ended)."""
         if self.reasoning_parser is None:
             return PlainParser()
-        return make_reasoning_parser(
+        return new_reasoning_parser(
             self.reasoning_parser, prompt_text=prompt_text, harmony_encoding=self.harmony_encoding
         )
 

@@ -15,7 +15,7 @@ THINK_PARSERS = {"qwen3": False, "deepseek_r1": True}
 REASONING_PARSERS = (*THINK_PARSERS, HARMONY_PARSER)
 
 
-def make_reasoning_parser(
+def new_reasoning_parser(
     name: str, tokenizer: Any = None, *, prompt_text: str = "", harmony_encoding: Any = None
 ) -> OutputParser:
     """A fresh parser for one choice. `prompt_text`: the rendered prompt (did it open `<think>`?);
