@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: messages through the chat template, n choices, logprobs, streaming."""
+"""POST /v1/chat/completions: messages through the chat template, n choices, logprobs, streaming.
+
+Each choice's output goes through one `OutputParser` (serve/output_parsers.py) into content,
+reasoning_content and tool_calls: `parse` for the JSON answer, `feed`/`finish` for the stream, so
+the two agree. A message with calls that ended naturally has finish_reason "tool_calls".
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from torch_runner.serve.errors import InvalidRequestError
 from torch_runner.serve.generation import (
     Choice,
     Increment,
@@ -15,7 +21,9 @@ from torch_runner.serve.generation import (
     usage_of,
 )
 from torch_runner.serve.logprobs import chat_logprobs
+from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
 from torch_runner.serve.params import chat_fields
+from torch_runner.serve.parsing import DeltaMessage, OutputParser
 from torch_runner.serve.prompts import chat_prompt, check_context
 from torch_runner.serve.protocol import (
     ChatChoice,
@@ -26,9 +34,14 @@ from torch_runner.serve.protocol import (
     ChatDelta,
     ChatResponseMessage,
     ChoiceLogprobs,
+    FunctionCallDelta,
+    FunctionCallOut,
+    ToolCallDeltaOut,
+    ToolCallOut,
 )
 from torch_runner.serve.sse import stream_choices
 from torch_runner.serve.state import ServingState
+from torch_runner.serve.tools import ToolPlan, plan_tools
 
 
 def _param_names(body: ChatCompletionRequest) -> dict[str, str]:
@@ -44,7 +57,9 @@ async def create_chat_completion(
     arrived_at = time.perf_counter()
     state.check_model(body.model)
     fields = chat_fields(body, state.vocab_size)
-    prompt_ids = chat_prompt(state.tokenizer, body.messages)
+    plan = plan_tools(body)
+    _apply_tool_plan(state, plan, fields)
+    prompt_ids = chat_prompt(state.tokenizer, body.messages, plan.offered, state.chat_template)
     max_name = _param_names(body)["max_tokens"]
     check_context(len(prompt_ids), fields["max_tokens"], state.max_model_len, "messages", max_name)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -54,16 +69,38 @@ async def create_chat_completion(
     model = body.model or state.model_name
 
     if body.stream:
-        return await _stream(state, body, http, choices, request_id, model)
+        return await _stream(state, body, http, choices, request_id, model, plan)
     if not await run_choices(http, state.engine, choices, on_close=lambda: state.record(choices)):
         return Response(status_code=499)
     response = ChatCompletionResponse(
         id=request_id,
         model=model,
-        choices=[_final_choice(state, body, choice) for choice in choices],
+        choices=[_final_choice(state, body, choice, plan) for choice in choices],
         usage=usage_of(choices),
     )
     return JSONResponse(response.model_dump())
+
+
+def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
+    """Forced tool choices constrain the output; some auto parsers need special tokens kept."""
+    if plan.is_forced:
+        fields["structured"] = plan.structured_spec()
+    try:
+        if keeps_special_tokens(state, plan):
+            fields["skip_special_tokens"] = False
+    except ValueError as exc:  # a configured parser that is not available in this build
+        raise InvalidRequestError(str(exc), param="tools") from None
+
+
+def _parser(state: ServingState, plan: ToolPlan) -> OutputParser:
+    try:
+        return make_output_parser(state, plan)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="tools") from None
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 def _logprobs(
@@ -74,12 +111,41 @@ def _logprobs(
     return ChoiceLogprobs(content=chat_logprobs(state.token_table, token_ids, entries))
 
 
-def _final_choice(state: ServingState, body: ChatCompletionRequest, choice: Choice) -> ChatChoice:
+def _final_choice(
+    state: ServingState, body: ChatCompletionRequest, choice: Choice, plan: ToolPlan
+) -> ChatChoice:
+    parsed = _parser(state, plan).parse(choice.text, choice.token_ids)
+    calls = [
+        ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+        for c in parsed.tool_calls
+    ]
+    message = ChatResponseMessage(
+        content=parsed.content,
+        reasoning_content=parsed.reasoning_content,
+        tool_calls=calls or None,
+    )
     return ChatChoice(
         index=choice.index,
-        message=ChatResponseMessage(content=choice.text),
+        message=message,
         logprobs=_logprobs(state, body, choice.token_ids, choice.logprobs),
-        finish_reason=choice.finish_reason,
+        finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
+    )
+
+
+def _delta(message: DeltaMessage) -> ChatDelta:
+    calls = [
+        ToolCallDeltaOut(
+            index=piece.index,
+            id=piece.id,
+            type="function" if piece.id else None,
+            function=FunctionCallDelta(name=piece.name, arguments=piece.arguments),
+        )
+        for piece in message.tool_calls
+    ]
+    return ChatDelta(
+        content=message.content,
+        reasoning_content=message.reasoning_content,
+        tool_calls=calls or None,
     )
 
 
@@ -90,23 +156,41 @@ async def _stream(
     choices: list[Choice],
     request_id: str,
     model: str,
+    plan: ToolPlan,
 ) -> Response:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    parsers = {choice.index: _parser(state, plan) for choice in choices}
+    has_calls = dict.fromkeys(parsers, False)
 
     def chunk(choice_list: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, model=model, choices=choice_list, usage=usage)
 
+    # OpenAI opens a text answer with content "" and one that may hold calls with content null
+    opening_content = "" if plan.choice == "none" else None
+
     def opening():
         for choice in choices:
-            yield chunk(
-                [ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))]
-            )
+            delta = ChatDelta(role="assistant", content=opening_content)
+            yield chunk([ChatChunkChoice(index=choice.index, delta=delta)])
 
     def render(increment: Increment):
         choice = increment.choice
         if increment.is_empty:
             return
-        delta = ChatDelta(content=increment.delta_text)
+        parser = parsers[choice.index]
+        message = parser.feed(increment.delta_text, increment.delta_token_ids)
+        if increment.finish_reason is not None:
+            end = parser.finish()
+            message = DeltaMessage(
+                content=(message.content or "") + (end.content or "") or None,
+                reasoning_content=(message.reasoning_content or "") + (end.reasoning_content or "")
+                or None,
+                tool_calls=message.tool_calls + end.tool_calls,
+            )
+        has_calls[choice.index] |= bool(message.tool_calls)
+        if message.is_empty and increment.finish_reason is None and not body.logprobs:
+            return  # held back by the parser (a partial tag); nothing to send yet
+        delta = _delta(message)
         logprobs = _logprobs(state, body, increment.delta_token_ids, increment.delta_logprobs)
         yield chunk(
             [
@@ -114,7 +198,7 @@ async def _stream(
                     index=choice.index,
                     delta=delta,
                     logprobs=logprobs,
-                    finish_reason=increment.finish_reason,
+                    finish_reason=_finish_reason(increment.finish_reason, has_calls[choice.index]),
                 )
             ]
         )

@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Largest decode batch replayed from a CUDA graph; larger ones run eagerly. "
         "Default: %(default)s.",
     )
+    _add_tool_flags(parser)
     server = parser.add_argument_group("server")
     server.add_argument(
         "--host",
@@ -175,6 +176,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=LOG_LEVELS, help="Default: %(default)s."
     )
     return parser
+
+
+def _add_tool_flags(parser: argparse.ArgumentParser) -> None:
+    from torch_runner.serve.tool_parsers import tool_parser_names
+
+    tools = parser.add_argument_group("chat template and tool calling (docs/serving.md#tools)")
+    tools.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="A Jinja chat template file replacing the model's (tools reach it as `tools`).",
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=tool_parser_names(),
+        help="How tool calls are read from tool_choice=auto output (vLLM's names). Default: "
+        "from the model (model_type, chat template); hermes for a template without tools.",
+    )
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Accepted for vLLM compatibility; tool_choice=auto is always on.",
+    )
 
 
 def engine_config(args: argparse.Namespace):

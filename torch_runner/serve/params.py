@@ -120,8 +120,6 @@ def completion_fields(request: CompletionRequest, vocab_size: int) -> dict[str, 
 
 
 def chat_fields(request: ChatCompletionRequest, vocab_size: int) -> dict[str, Any]:
-    if request.tools:
-        raise InvalidRequestError("tools are not supported", param="tools")
     if request.top_logprobs and not request.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     fields = _common_fields(request, vocab_size)

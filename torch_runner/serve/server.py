@@ -35,12 +35,38 @@ def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str)
     )
 
 
-def serving_state(
-    engine: Any, async_engine: Any, *, model_name: str, api_key: str | None, max_body_bytes: int
-):
-    """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`."""
-    from torch_runner import SamplingParams
+def read_chat_template(path: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja chat template."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise ValueError(f"--chat-template {path!r} cannot be read: {exc}") from None
 
+
+def serving_state(
+    engine: Any,
+    async_engine: Any,
+    *,
+    model_name: str,
+    api_key: str | None,
+    max_body_bytes: int,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
+):
+    """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`.
+
+    The tool-call parser is `tool_call_parser` when given, else picked from the model
+    (model_type, then the chat template; see serve/output_parsers.py).
+    """
+    from torch_runner import SamplingParams
+    from torch_runner.serve.output_parsers import default_tool_parser_name
+
+    model_type = getattr(getattr(engine, "args", None), "model_type", None)
+    template = chat_template or getattr(engine.tokenizer, "chat_template", None)
+    parser = tool_call_parser or default_tool_parser_name(model_type, template)
     return ServingState(
         engine=async_engine,
         tokenizer=engine.tokenizer,
@@ -50,6 +76,9 @@ def serving_state(
         params_cls=SamplingParams,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
+        model_type=model_type,
+        chat_template=chat_template,
+        tool_parser_name=parser,
     )
 
 
@@ -62,6 +91,7 @@ def run_server(args: argparse.Namespace, config: Any) -> None:
     from torch_runner.serve.app import create_app
 
     try:
+        chat_template = read_chat_template(args.chat_template)
         engine = Engine.from_config(config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: could not start the engine: {exc}", file=sys.stderr)
@@ -75,6 +105,8 @@ def run_server(args: argparse.Namespace, config: Any) -> None:
             model_name=served_name(args, engine),
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
+            chat_template=chat_template,
+            tool_call_parser=args.tool_call_parser,
         )
         app = create_app(state)
         url = f"http://{args.host}:{args.port}"

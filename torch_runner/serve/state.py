@@ -28,6 +28,10 @@ class ServingState:
     params_cls: type  # SamplingParams
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    model_type: str | None = None  # config.json's, for picking output parsers
+    chat_template: str | None = None  # --chat-template: replaces the tokenizer's
+    tool_parser_name: str = "hermes"  # the `auto` tool-call parser (vLLM's names)
+    reasoning_parser_name: str | None = None  # serve/reasoning/ (vLLM's names); None: no split
     metrics: ServerMetrics = field(init=False)
     token_table: TokenTable = field(init=False)
 
