@@ -157,6 +157,7 @@ class ThreadedServer:
         max_body_bytes: int = 8 << 20,
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
+        reasoning_parser: str = "auto",
         **engine_kwargs,
     ):
         import threading
@@ -183,6 +184,7 @@ class ThreadedServer:
             max_body_bytes=max_body_bytes,
             chat_template=chat_template,
             tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
         )
         self.state = state
         self.port = free_port()

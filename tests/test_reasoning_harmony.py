@@ -113,9 +113,7 @@ def expected(messages):
 def test_parse_routes_each_channel(harmony_encoding, case):
     messages, last = CASES[case]
     ids = generated(harmony_encoding, messages, last)
-    parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
-        "", ids
-    )
+    parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse("", ids)
     calls = [(c.name, c.arguments) for c in parsed.tool_calls]
     assert (parsed.reasoning_content, parsed.content, calls) == expected(messages)
     assert all(c.id.startswith("call_") for c in parsed.tool_calls)
@@ -142,9 +140,7 @@ def test_other_special_tokens_carry_no_text(harmony_encoding):
     """An end-of-text token after an answer (a grammar or EOS ending it) is not content."""
     ids = generated(harmony_encoding, [analysis(REASONING), final(ANSWER)], "<|end|>")
     ids += harmony_encoding.encode("<|endoftext|>", allowed_special="all")
-    parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
-        "", ids
-    )
+    parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse("", ids)
     assert (parsed.reasoning_content, parsed.content) == (REASONING, ANSWER)
 
 
@@ -162,9 +158,7 @@ def test_two_parallel_calls_get_their_own_indexes(harmony_encoding):
 def test_output_that_is_not_harmony_is_kept_as_content(harmony_encoding):
     text = "Plain words, no channels at all."
     ids = harmony_encoding.encode(text)
-    parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
-        "", ids
-    )
+    parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse("", ids)
     assert (parsed.reasoning_content, parsed.content) == (None, text)
     # Valid reasoning, then a token where <|start|> must come: the rest becomes content.
     ids = generated(harmony_encoding, [analysis(REASONING)], "<|end|>") + ids

@@ -61,8 +61,11 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
-def select_chat_format(tokenizer: Any, model_type: str | None, choice: str = AUTO) -> ChatFormat:
-    """The format for `--reasoning-parser choice`; raises ValueError naming the flag's problem."""
+def select_chat_format(
+    tokenizer: Any, model_type: str | None, choice: str = AUTO, template: str | None = None
+) -> ChatFormat:
+    """The format for `--reasoning-parser choice` (`template`: --chat-template's, else the
+    tokenizer's); raises ValueError naming the flag's problem."""
     if choice not in REASONING_PARSER_CHOICES:
         raise ValueError(
             f"--reasoning-parser {choice!r} is unknown; allowed: {', '.join(REASONING_PARSER_CHOICES)}"
@@ -70,7 +73,7 @@ def select_chat_format(tokenizer: Any, model_type: str | None, choice: str = AUT
     if choice == AUTO:
         if model_type == "gpt_oss":
             choice = HARMONY_PARSER
-        elif "</think>" in (getattr(tokenizer, "chat_template", None) or ""):
+        elif "</think>" in (template or getattr(tokenizer, "chat_template", None) or ""):
             choice = "qwen3"
         else:
             choice = NONE

@@ -200,6 +200,20 @@ def _add_tool_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Accepted for vLLM compatibility; tool_choice=auto is always on.",
     )
+    _add_reasoning_flag(tools)
+
+
+def _add_reasoning_flag(group: argparse._ArgumentGroup) -> None:
+    from torch_runner.serve.chat_format import REASONING_PARSER_CHOICES
+
+    group.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=REASONING_PARSER_CHOICES,
+        help="How reasoning is split from the answer into reasoning_content (vLLM's names; "
+        "docs/serving.md#reasoning). auto: openai_gptoss (harmony) for gpt-oss, qwen3 for a "
+        "chat template that writes </think>, else none. Default: %(default)s.",
+    )
 
 
 def engine_config(args: argparse.Namespace):

@@ -54,11 +54,13 @@ def chat_prompt(
     messages: list[ChatMessage],
     tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Render `messages` (and `tools`) with the chat template, generation prompt appended.
 
     `chat_template` (--chat-template) replaces the tokenizer's. A template without tool support
-    gets the default tool prompt (serve/tool_prompt.py).
+    gets the default tool prompt (serve/tool_prompt.py). `template_kwargs` (the request's
+    chat_template_kwargs, reasoning_effort) become template variables.
     """
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -66,7 +68,9 @@ def chat_prompt(
             "this model's tokenizer has no chat template; use /v1/completions", param="messages"
         )
     entries = message_dicts(messages)
-    kwargs: dict[str, Any] = {"chat_template": chat_template} if chat_template else {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
+    if chat_template:
+        kwargs["chat_template"] = chat_template
     if template_supports_tools(template):
         if tools:
             kwargs["tools"] = tools

@@ -55,18 +55,23 @@ def serving_state(
     max_body_bytes: int,
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str = "auto",
 ):
     """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`.
 
     The tool-call parser is `tool_call_parser` when given, else picked from the model
-    (model_type, then the chat template; see serve/output_parsers.py).
+    (model_type, then the chat template; see serve/output_parsers.py); the chat format
+    (harmony, a reasoning parser) likewise from `reasoning_parser` (serve/chat_format.py).
+    A ValueError names the flag that cannot work with this model.
     """
     from torch_runner import SamplingParams
+    from torch_runner.serve.chat_format import select_chat_format
     from torch_runner.serve.output_parsers import default_tool_parser_name
 
     model_type = getattr(getattr(engine, "args", None), "model_type", None)
     template = chat_template or getattr(engine.tokenizer, "chat_template", None)
     parser = tool_call_parser or default_tool_parser_name(model_type, template)
+    chat_format = select_chat_format(engine.tokenizer, model_type, reasoning_parser, template)
     return ServingState(
         engine=async_engine,
         tokenizer=engine.tokenizer,
@@ -79,6 +84,7 @@ def serving_state(
         model_type=model_type,
         chat_template=chat_template,
         tool_parser_name=parser,
+        chat_format=chat_format,
     )
 
 
@@ -99,15 +105,20 @@ def run_server(args: argparse.Namespace, config: Any) -> None:
     async_engine = AsyncEngine(engine)
     async_engine.start()
     try:
-        state = serving_state(
-            engine,
-            async_engine,
-            model_name=served_name(args, engine),
-            api_key=args.api_key,
-            max_body_bytes=args.max_body_bytes,
-            chat_template=chat_template,
-            tool_call_parser=args.tool_call_parser,
-        )
+        try:
+            state = serving_state(
+                engine,
+                async_engine,
+                model_name=served_name(args, engine),
+                api_key=args.api_key,
+                max_body_bytes=args.max_body_bytes,
+                chat_template=chat_template,
+                tool_call_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser,
+            )
+        except ValueError as exc:  # a --reasoning-parser this model cannot use
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         app = create_app(state)
         url = f"http://{args.host}:{args.port}"
         print(banner(state, engine, ops.backends(), url), flush=True)

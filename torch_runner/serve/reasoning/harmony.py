@@ -17,6 +17,7 @@ from typing import Any
 
 from torch_runner.serve.parsing import DeltaMessage, ParsedMessage, ToolCallDelta, accumulate
 from torch_runner.serve.reasoning.harmony_encoding import load_harmony_encoding
+from torch_runner.serve.tool_parsers import register_tool_parser
 
 FUNCTIONS_PREFIX = "functions."
 # The special tokens harmony is written with; any other special token (<|endoftext|>, a
@@ -30,6 +31,7 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+@register_tool_parser("openai")  # vLLM's tool-call parser name for gpt-oss; one parser does both
 class HarmonyParser:
     """One per choice, over openai-harmony's gpt-oss encoding: given, or loaded (once) from the
     model's `tokenizer` (see harmony_encoding.py)."""
