@@ -320,17 +320,34 @@ def test_random_harmony_output_streams_as_it_parses(gptoss):
     )
 
 
+def test_reasoning_effort_in_chat_template_kwargs_reaches_harmony(gptoss, harmony_encoding):
+    """vLLM users also send the effort as a template variable; gpt-oss takes it from there."""
+    client, spy = gptoss
+    client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"reasoning_effort": "low"}},
+    )
+    assert "Reasoning: low\n" in harmony_encoding.decode(spy.prompts[-1])
+
+
 @pytest.mark.parametrize(
     ("field", "value", "allowed"),
-    [("reasoning_effort", "minimal", "low, medium, high")],
+    [
+        ("reasoning_effort", "minimal", "low, medium, high"),
+        ("chat_template_kwargs", {"enable_thinking": False}, "allowed: reasoning_effort"),
+    ],
 )
 def test_harmony_bad_input_names_the_field(gptoss, field, value, allowed):
     client, _ = gptoss
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model=MODEL_NAME, messages=USER, max_tokens=1, **{field: value}
+            model=MODEL_NAME, messages=USER, max_tokens=1, extra_body={field: value}
         )
     assert info.value.body["param"] == field and allowed in info.value.body["message"]
+    # The server is unaffected: the next request answers.
+    assert client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=1).choices
 
 
 # ----------------------------------------------------------------------------- <think> models

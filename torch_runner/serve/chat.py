@@ -94,22 +94,7 @@ def _render_prompt(
     chat_format = state.chat_format
     template_kwargs = check_template_kwargs(body.chat_template_kwargs)
     if chat_format.is_harmony:
-        if template_kwargs:
-            raise InvalidRequestError(
-                "chat_template_kwargs do not apply to gpt-oss: its prompt is rendered by "
-                "openai-harmony, not a chat template (use reasoning_effort, tools, messages)",
-                param="chat_template_kwargs",
-            )
-        try:
-            ids = render_harmony_prompt(
-                chat_format.harmony_encoding,
-                message_dicts(body.messages),
-                plan.offered,
-                body.reasoning_effort,
-            )
-        except HarmonyPromptError as exc:
-            raise param_error(exc) from None
-        return ids, ""
+        return _harmony_prompt(state, body, plan, template_kwargs), ""
     if body.reasoning_effort is not None:
         template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     ids = chat_prompt(
@@ -118,6 +103,27 @@ def _render_prompt(
     if not chat_format.reasoning_parser:
         return ids, ""
     return ids, state.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
+
+
+def _harmony_prompt(
+    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan, template_kwargs: dict
+) -> list[int]:
+    """gpt-oss: openai-harmony renders the prompt. Of chat_template_kwargs only reasoning_effort
+    applies (vLLM users pass it there too); anything else has no template to reach."""
+    effort = body.reasoning_effort or template_kwargs.pop("reasoning_effort", None)
+    if template_kwargs:
+        raise InvalidRequestError(
+            f"chat_template_kwargs {', '.join(sorted(template_kwargs))} do not apply to gpt-oss: "
+            "its prompt is rendered by openai-harmony, not a chat template (allowed: "
+            "reasoning_effort)",
+            param="chat_template_kwargs",
+        )
+    try:
+        return render_harmony_prompt(
+            state.chat_format.harmony_encoding, message_dicts(body.messages), plan.offered, effort
+        )
+    except HarmonyPromptError as exc:
+        raise param_error(exc) from None
 
 
 def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
