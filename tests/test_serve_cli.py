@@ -104,3 +104,24 @@ def test_mlx_gate_passes_on_cpu_then_the_model_is_resolved(run_main):
     )
     assert code == 2
     assert "could not start the engine" in stderr and MISSING_MODEL in stderr
+
+
+def test_reasoning_parser_flag_takes_vllm_names(run_main):
+    args = build_parser().parse_args([])
+    assert args.reasoning_parser == "auto"
+    assert "--reasoning-parser" in build_parser().format_help()
+    for name in ("qwen3", "deepseek_r1", "openai_gptoss", "none"):
+        assert build_parser().parse_args(["--reasoning-parser", name]).reasoning_parser == name
+    code, stderr = run_main("--reasoning-parser", "gptoss")
+    assert code == 2 and "--reasoning-parser" in stderr and "openai_gptoss" in stderr
+
+
+def test_harmony_parser_on_a_model_without_harmony_exits_naming_the_flag(run_main, llama, tmp_path):
+    """The tiny Llama's byte tokenizer is no o200k_harmony: refused at start-up, in one line."""
+    path, _ = llama
+    code, stderr = run_main(
+        "--model", path, "--device", "cpu", "--reasoning-parser", "openai_gptoss",
+        env={"TORCH_RUNNER_CACHE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert code == 2
+    assert "--reasoning-parser openai_gptoss" in stderr and "--reasoning-parser none" in stderr
