@@ -56,7 +56,9 @@ TIME_SCHEMA = {"type": "object", "properties": {"tz": {"enum": ["CET", "UTC"]}},
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 THINK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% elif open_think is defined and open_think %}<think>\n{% endif %}{% endif %}"
@@ -425,3 +427,49 @@ def test_reserved_chat_template_kwargs_are_refused(qwen3):
         )
     assert info.value.body["param"] == "chat_template_kwargs"
     assert "add_generation_prompt" in info.value.body["message"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_template(tmp_path_factory):
+    """The same kind of tiny Qwen3, served with Qwen3-8B's own template (tool_templates.QWEN3)."""
+    from engine_helpers import byte_tokenizer
+    from tool_templates import QWEN3
+
+    path = tmp_path_factory.mktemp("qwen3_template") / "tiny-qwen3"
+    build_tiny_model("qwen3", max_position_embeddings=2048).save_pretrained(path)
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = QWEN3
+    tokenizer.save_pretrained(path)
+    server, client, spy = start(path)
+    assert server.state.chat_format.reasoning_parser == "qwen3"  # picked from the template
+    yield client, spy, tokenizer
+    server.stop()
+
+
+def test_qwen3_template_turns_thinking_off(qwen3_template):
+    client, spy, tokenizer = qwen3_template
+    client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    oracle = tokenizer.apply_chat_template(
+        USER, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert tokenizer.decode(spy.prompts[-1]) == oracle
+    assert oracle.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_history_reasoning_content_reaches_the_template(qwen3):
+    """An earlier answer's reasoning_content, sent back in the history, is the template's to render."""
+    client, spy, tokenizer = qwen3
+    messages = [
+        *USER,
+        {"role": "assistant", "content": "sunny", "reasoning_content": "Recall the forecast."},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+    oracle = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(spy.prompts[-1]) == oracle
+    assert "<think>Recall the forecast.</think>sunny" in oracle
