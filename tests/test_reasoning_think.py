@@ -122,3 +122,24 @@ def test_registry_names_follow_vllm():
     assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "openai_gptoss"}
     with pytest.raises(ValueError, match="allowed: qwen3, deepseek_r1, openai_gptoss"):
         new_reasoning_parser("qwen")
+
+
+def test_think_then_hermes_call_through_the_chain():
+    """Qwen3 with tools: the reasoning parser runs first, its content goes to the hermes parser."""
+    from torch_runner.serve.parsing import ChainedParser
+    from torch_runner.serve.tool_parsers import get_tool_parser
+
+    arguments = '{"city": "Paris"}'
+    call = '<tool_call>\n{"name": "get_weather", "arguments": ' + arguments + "}\n</tool_call>"
+    text = "<think>" + REASONING + "</think>\n\n" + call
+    for cut in range(len(text) + 1):
+        parser = ChainedParser(ThinkParser(), get_tool_parser("hermes")(None))
+        streamed = stream(parser, [text[:cut], text[cut:]])
+        assert streamed.reasoning_content == REASONING, cut
+        assert [(c.name, c.arguments) for c in streamed.tool_calls] == [("get_weather", arguments)]
+        assert (streamed.content or "").strip() == ""
+    whole = ChainedParser(ThinkParser(), get_tool_parser("hermes")(None)).parse(text, [])
+    assert (whole.reasoning_content, [c.name for c in whole.tool_calls]) == (
+        REASONING,
+        ["get_weather"],
+    )
