@@ -1,31 +1,29 @@
-"""Reasoning over real HTTP with the official openai client: gpt-oss harmony and `<think>` models.
+"""gpt-oss harmony over real HTTP with the official openai client, on a tiny random gpt-oss.
 
-Tiny random checkpoints produce random text, so the known shapes come from a grammar: xgrammar's
-`Token(id)` elements force harmony's special tokens (`<|channel|>`, `<|message|>`, `<|call|>`) and
-a regex forces `<think>...</think>`, while the words inside stay the model's. The oracles are the
-grammar's guarantee (each field fullmatches its rule), openai-harmony parsing the engine's raw
-token ids on its own, prompts rendered directly with openai-harmony's API or with transformers'
-`apply_chat_template`, and stream == non-stream for one seed.
+Random weights write random text, so the known shapes come from a grammar: xgrammar's `Token(id)`
+elements force harmony's special tokens (`<|channel|>`, `<|message|>`, `<|call|>`) while the words
+inside stay the model's. The oracles: the grammar's guarantee (each field fullmatches its rule),
+openai-harmony parsing the engine's raw token ids on its own, prompts built directly with
+openai-harmony's API, and stream == non-stream for one seed.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import re
 
 import jsonschema
 import openai
 import openai_harmony as harmony
 import pytest
 from harmony_tokenizer import save_harmony_tokenizer
-from serve_fixtures import API_KEY, MODEL_NAME, ThreadedServer
+from reasoning_helpers import USER, WORDS_RE, start, stream_message
+from serve_fixtures import MODEL_NAME
 from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.slow  # real HTTP servers; CI still runs them
 
 WORDS = "[a-z] [a-z ]{2,10}"  # EBNF: what the grammar lets the model write inside a message
-WORDS_RE = re.compile(r"[a-z][a-z ]{2,10}")
 START, CHANNEL, MESSAGE, END, CALL, CONSTRAIN = 200006, 200005, 200008, 200007, 200012, 200003
 ANSWER_GRAMMAR = (
     f'root ::= Token({CHANNEL}) "analysis" Token({MESSAGE}) words Token({END}) Token({START}) '
@@ -54,40 +52,6 @@ TOOLS = [
 ]
 TIME_SCHEMA = {"type": "object", "properties": {"tz": {"enum": ["CET", "UTC"]}}, "required": ["tz"]}
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}}
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-THINK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
-    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% elif open_think is defined and open_think %}<think>\n{% endif %}{% endif %}"
-)
-
-
-class EngineSpy:
-    """Records what the server hands the engine (prompt ids) and what came back (output ids)."""
-
-    def __init__(self, async_engine):
-        self.prompts: list[list[int]] = []
-        self.outputs: dict[str, list[int]] = {}
-        original = async_engine.generate
-
-        async def generate(request_id, prompt_ids, params):
-            self.prompts.append(list(prompt_ids))
-            async for output in original(request_id, prompt_ids, params):
-                self.outputs[request_id] = list(output.token_ids)
-                yield output
-
-        async_engine.generate = generate
-
-
-def start(path):
-    server = ThreadedServer(path, max_total_tokens=4096)
-    client = openai.OpenAI(
-        base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120
-    )
-    return server, client, EngineSpy(server.async_engine)
 
 
 @pytest.fixture(scope="module")
@@ -105,39 +69,6 @@ def gptoss(tmp_path_factory, harmony_encoding):
         server, client, spy = start(path)
         yield client, spy
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """Tiny random Qwen3 with the byte tokenizer and a template that writes `<think>` blocks."""
-    from engine_helpers import byte_tokenizer
-
-    path = tmp_path_factory.mktemp("qwen3_serve") / "tiny-qwen3"
-    build_tiny_model("qwen3", max_position_embeddings=2048).save_pretrained(path)
-    tokenizer = byte_tokenizer()
-    tokenizer.chat_template = THINK_TEMPLATE
-    tokenizer.save_pretrained(path)
-    server, client, spy = start(path)
-    yield client, spy, tokenizer
-    server.stop()
-
-
-def stream_message(client, **request):
-    """What a client builds from the stream: content, reasoning, calls by index, finish reason."""
-    content, reasoning, calls, finish = "", "", {}, None
-    for chunk in client.chat.completions.create(stream=True, **request):
-        for choice in chunk.choices:
-            delta = choice.delta
-            content += delta.content or ""
-            reasoning += getattr(delta, "reasoning_content", None) or ""
-            for piece in delta.tool_calls or []:
-                call = calls.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
-                if piece.id:
-                    assert call["id"] is None and call["arguments"] == ""  # id + name come first
-                    call["id"], call["name"] = piece.id, piece.function.name
-                call["arguments"] += piece.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return content or None, reasoning or None, [calls[i] for i in sorted(calls)], finish
 
 
 def harmony_oracle(encoding, token_ids):
@@ -350,126 +281,3 @@ def test_harmony_bad_input_names_the_field(gptoss, field, value, allowed):
     assert info.value.body["param"] == field and allowed in info.value.body["message"]
     # The server is unaffected: the next request answers.
     assert client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=1).choices
-
-
-# ----------------------------------------------------------------------------- <think> models
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_think_output_splits_into_reasoning_and_content(qwen3, stream):
-    client, _, _ = qwen3
-    regex = r"<think>[a-z][a-z ]{2,10}</think>[a-z][a-z ]{2,10}"
-    request = dict(
-        model=MODEL_NAME,
-        messages=USER,
-        max_tokens=60,
-        temperature=1.0,
-        seed=7,
-        extra_body={"response_format": {"type": "regex", "regex": regex}},
-    )
-    message = client.chat.completions.create(**request).choices[0].message
-    assert WORDS_RE.fullmatch(message.reasoning_content) and WORDS_RE.fullmatch(message.content)
-    assert re.fullmatch(regex, f"<think>{message.reasoning_content}</think>{message.content}")
-    if stream:
-        assert stream_message(client, **request) == (
-            message.content,
-            message.reasoning_content,
-            [],
-            "stop",
-        )
-
-
-def test_think_opened_by_the_template(qwen3):
-    """The template writes `<think>\\n` itself (a chat_template_kwargs switch): output starts in it."""
-    client, spy, tokenizer = qwen3
-    regex = r"[a-z][a-z ]{2,10}</think>[a-z][a-z ]{2,10}"
-    request = dict(
-        model=MODEL_NAME,
-        messages=USER,
-        max_tokens=60,
-        temperature=1.0,
-        seed=1,
-        extra_body={
-            "response_format": {"type": "regex", "regex": regex},
-            "chat_template_kwargs": {"open_think": True},
-        },
-    )
-    message = client.chat.completions.create(**request).choices[0].message
-    assert tokenizer.decode(spy.prompts[-1]).endswith("<|im_start|>assistant\n<think>\n")
-    assert re.fullmatch(regex, f"{message.reasoning_content}</think>{message.content}")
-    assert WORDS_RE.fullmatch(message.content)
-    assert stream_message(client, **request)[:2] == (message.content, message.reasoning_content)
-
-
-def test_chat_template_kwargs_reach_the_template(qwen3):
-    client, spy, tokenizer = qwen3
-    client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=USER,
-        max_tokens=1,
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
-    )
-    oracle = tokenizer.apply_chat_template(
-        USER, tokenize=False, add_generation_prompt=True, enable_thinking=False
-    )
-    assert tokenizer.decode(spy.prompts[-1]) == oracle
-    assert oracle.endswith("<think>\n\n</think>\n\n")
-
-
-def test_reserved_chat_template_kwargs_are_refused(qwen3):
-    client, _, _ = qwen3
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=USER,
-            max_tokens=1,
-            extra_body={"chat_template_kwargs": {"add_generation_prompt": False}},
-        )
-    assert info.value.body["param"] == "chat_template_kwargs"
-    assert "add_generation_prompt" in info.value.body["message"]
-
-
-@pytest.fixture(scope="module")
-def qwen3_template(tmp_path_factory):
-    """The same kind of tiny Qwen3, served with Qwen3-8B's own template (tool_templates.QWEN3)."""
-    from engine_helpers import byte_tokenizer
-    from tool_templates import QWEN3
-
-    path = tmp_path_factory.mktemp("qwen3_template") / "tiny-qwen3"
-    build_tiny_model("qwen3", max_position_embeddings=2048).save_pretrained(path)
-    tokenizer = byte_tokenizer()
-    tokenizer.chat_template = QWEN3
-    tokenizer.save_pretrained(path)
-    server, client, spy = start(path)
-    assert server.state.chat_format.reasoning_parser == "qwen3"  # picked from the template
-    yield client, spy, tokenizer
-    server.stop()
-
-
-def test_qwen3_template_turns_thinking_off(qwen3_template):
-    client, spy, tokenizer = qwen3_template
-    client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=USER,
-        max_tokens=1,
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
-    )
-    oracle = tokenizer.apply_chat_template(
-        USER, tokenize=False, add_generation_prompt=True, enable_thinking=False
-    )
-    assert tokenizer.decode(spy.prompts[-1]) == oracle
-    assert oracle.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-
-
-def test_history_reasoning_content_reaches_the_template(qwen3):
-    """An earlier answer's reasoning_content, sent back in the history, is the template's to render."""
-    client, spy, tokenizer = qwen3
-    messages = [
-        *USER,
-        {"role": "assistant", "content": "sunny", "reasoning_content": "Recall the forecast."},
-        {"role": "user", "content": "And tomorrow?"},
-    ]
-    client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
-    oracle = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert tokenizer.decode(spy.prompts[-1]) == oracle
-    assert "<think>Recall the forecast.</think>sunny" in oracle
