@@ -267,3 +267,15 @@ def test_bad_requests_name_the_field(harmony_encoding):
     with pytest.raises(HarmonyPromptError) as info:
         render_harmony_prompt(harmony_encoding, user, [{"type": "function", "function": {}}])
     assert info.value.param == "tools"
+
+
+def test_harmony_parser_is_also_vllms_openai_tool_parser(harmony_encoding):
+    from torch_runner.serve.reasoning.harmony import HarmonyParser
+    from torch_runner.serve.tool_parsers import get_tool_parser, tool_parser_names
+
+    assert "openai" in tool_parser_names() and get_tool_parser("openai") is HarmonyParser
+    ids = generated(
+        harmony_encoding, [analysis(REASONING), call("get_weather", ARGUMENTS)], "<|call|>"
+    )
+    parsed = get_tool_parser("openai")(encoding=harmony_encoding).parse("", ids)
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather", ARGUMENTS)]
