@@ -78,7 +78,7 @@ class HarmonyParser:
             return
         try:
             self.parser.process(token_id)
-        except harmony.HarmonyError:  # not harmony any more: the rest is plain text
+        except Exception:  # HarmonyError (or any other refusal): not harmony any more, plain text
             self.raw_ids = [*self.header_ids, token_id]
             return
         state = self.parser.state
