@@ -160,6 +160,9 @@ def test_output_that_is_not_harmony_is_kept_as_content(harmony_encoding):
     ids = harmony_encoding.encode(text)
     parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse("", ids)
     assert (parsed.reasoning_content, parsed.content) == (None, text)
+    # It streams as it comes (no header to wait for), not all at the end.
+    parser = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
+    assert parser.feed("", ids[:3]).content == harmony_encoding.decode(ids[:3])
     # Valid reasoning, then a token where <|start|> must come: the rest becomes content.
     ids = generated(harmony_encoding, [analysis(REASONING)], "<|end|>") + ids
     for cut in range(len(ids) + 1):

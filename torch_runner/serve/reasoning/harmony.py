@@ -5,9 +5,9 @@ openai-harmony's `StreamableParser` reads the generated ids (the prompt ends in
 `analysis` -> reasoning_content; `final`, or `commentary` with no recipient (a preamble) ->
 content; `commentary` addressed `to=functions.NAME` -> a tool call whose arguments are the
 message body; any other recipient (built-in tools this server does not run) -> reasoning_content.
-Output that is not harmony (a random or badly tuned model) is never dropped: a header that never
-reaches `<|message|>`, and everything from a token the parser rejects on, becomes content
-(special tokens left out).
+Output that is not harmony (a random or badly tuned model, a grammar's JSON) is never dropped:
+output that does not open with a header, a header that never reaches `<|message|>`, and
+everything from a token the parser rejects on, becomes content (special tokens left out).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class HarmonyParser:
         self.raw_ids: list[int] | None = None  # set once output stops being harmony
         self.raw_sent = 0  # characters of decode(raw_ids) already sent
         self.num_calls = 0
+        self.is_first_token = True
         self.call_message: int | None = None  # index in parser.messages of the open tool call
 
     def feed(self, delta_text: str, delta_token_ids: list[int]) -> DeltaMessage:
@@ -76,6 +77,10 @@ class HarmonyParser:
 
         if token_id not in self.structure_ids and self.encoding.is_special_token(token_id):
             return
+        if self.is_first_token and not self._can_open_output(token_id):
+            self.raw_ids = [token_id]  # e.g. a grammar's JSON from the first token: stream it
+            return
+        self.is_first_token = False
         try:
             self.parser.process(token_id)
         except Exception:  # HarmonyError (or any other refusal): not harmony any more, plain text
@@ -94,6 +99,12 @@ class HarmonyParser:
         piece = self.parser.last_content_delta
         if piece:
             self._route(piece, recipient, delta)
+
+    def _can_open_output(self, token_id: int) -> bool:
+        """After `<|start|>assistant` comes `<|channel|>`, or a ` to=` recipient before it."""
+        if token_id in self.structure_ids:
+            return True
+        return self.encoding.decode([token_id]).lstrip().startswith("to")
 
     def _open_call(self, recipient: str, delta: DeltaMessage) -> None:
         """At the call's `<|message|>`: its index, id and name, before any argument."""
