@@ -282,3 +282,39 @@ def test_harmony_parser_is_also_vllms_openai_tool_parser(harmony_encoding):
     )
     parsed = get_tool_parser("openai")(encoding=harmony_encoding).parse("", ids)
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather", ARGUMENTS)]
+
+
+@pytest.mark.parametrize(
+    ("messages", "stops", "want"),
+    [
+        # stop inside the answer: the answer ends before it, the reasoning is whole
+        ([analysis(REASONING), final(ANSWER)], ["sunny"], (REASONING, "It is ")),
+        # stop inside the reasoning: nothing after it, not even the answer
+        (
+            [analysis(REASONING), final(ANSWER)],
+            ["call get"],
+            ("User wants the weather in Paris. I should ", None),
+        ),
+        # a stop string that never occurs (its prefix "It" does): everything
+        ([analysis(REASONING), final(ANSWER)], ["It was"], (REASONING, ANSWER)),
+    ],
+)
+def test_stop_strings_cut_the_parsed_fields(harmony_encoding, messages, stops, want):
+    """The engine stops on the text, but fields come from tokens: the parser cuts them itself,
+    whole and streamed at every split (a stop string split across chunks too)."""
+    ids = generated(harmony_encoding, messages)
+    for cut in range(len(ids) + 1):
+        parser = new_reasoning_parser(
+            "openai_gptoss", harmony_encoding=harmony_encoding, stop=stops
+        )
+        streamed = stream(parser, [ids[:cut], ids[cut:]])
+        assert (streamed.reasoning_content, streamed.content) == want, cut
+    parser = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding, stop=stops)
+    streamed = stream(parser, [[t] for t in ids])
+    assert (streamed.reasoning_content, streamed.content) == want
+    # Plain (non-harmony) output is cut the same way.
+    plain = harmony_encoding.encode("Plain words, no channels at all.")
+    parser = new_reasoning_parser(
+        "openai_gptoss", harmony_encoding=harmony_encoding, stop=["no ch"]
+    )
+    assert stream(parser, [[t] for t in plain]).content == "Plain words, "

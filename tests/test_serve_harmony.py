@@ -281,3 +281,21 @@ def test_harmony_bad_input_names_the_field(gptoss, field, value, allowed):
     assert info.value.body["param"] == field and allowed in info.value.body["message"]
     # The server is unaffected: the next request answers.
     assert client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=1).choices
+
+
+def test_stop_string_ends_the_harmony_answer_before_it(gptoss):
+    """OpenAI's rule (the stop string is not in the text) holds for fields parsed from tokens."""
+    client, _ = gptoss
+    grammar = f'root ::= Token({CHANNEL}) "final" Token({MESSAGE}) "hello world" {WORDS}'
+    request = dict(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=30,
+        temperature=1.0,
+        seed=3,
+        stop=["world"],
+        extra_body={"response_format": {"type": "grammar", "grammar": grammar}},
+    )
+    reply = client.chat.completions.create(**request)
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("hello ", "stop")
+    assert stream_message(client, **request) == ("hello ", None, [], "stop")

@@ -147,9 +147,12 @@ def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
         raise InvalidRequestError(str(exc), param="tools") from None
 
 
-def _parser(state: ServingState, plan: ToolPlan, prompt_tail: str) -> OutputParser:
+def _parser(
+    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan, prompt_tail: str
+) -> OutputParser:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
-        return make_output_parser(state, plan, prompt_tail)
+        return make_output_parser(state, plan, prompt_tail, stop)
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="tools") from None
 
@@ -173,7 +176,7 @@ def _final_choice(
     plan: ToolPlan,
     prompt_tail: str,
 ) -> ChatChoice:
-    parsed = _parser(state, plan, prompt_tail).parse(choice.text, choice.token_ids)
+    parsed = _parser(state, body, plan, prompt_tail).parse(choice.text, choice.token_ids)
     calls = [
         ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
         for c in parsed.tool_calls
@@ -219,7 +222,7 @@ async def _stream(
     prompt_tail: str,
 ) -> Response:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    parsers = {choice.index: _parser(state, plan, prompt_tail) for choice in choices}
+    parsers = {choice.index: _parser(state, body, plan, prompt_tail) for choice in choices}
     has_calls = dict.fromkeys(parsers, False)
 
     def chunk(choice_list: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:

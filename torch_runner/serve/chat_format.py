@@ -40,12 +40,15 @@ class ChatFormat:
     def is_harmony(self) -> bool:
         return self.reasoning_parser == HARMONY_PARSER
 
-    def output_parser(self, prompt_text: str) -> OutputParser:
+    def output_parser(self, prompt_text: str, stop: list[str] | None = None) -> OutputParser:
         """A fresh parser for one choice (think parsers look at how the prompt ended)."""
         if self.reasoning_parser is None:
             return PlainParser()
         return new_reasoning_parser(
-            self.reasoning_parser, prompt_text=prompt_text, harmony_encoding=self.harmony_encoding
+            self.reasoning_parser,
+            prompt_text=prompt_text,
+            harmony_encoding=self.harmony_encoding,
+            stop=stop,
         )
 
 

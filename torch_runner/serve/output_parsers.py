@@ -45,11 +45,14 @@ def _family_parser(state: Any) -> type | None:
         return None
 
 
-def make_output_parser(state: Any, plan: ToolPlan | None, prompt_text: str = "") -> OutputParser:
-    """`prompt_text`: the end of the rendered prompt (a `<think>` the template left open)."""
+def make_output_parser(
+    state: Any, plan: ToolPlan | None, prompt_text: str = "", stop: list[str] | None = None
+) -> OutputParser:
+    """`prompt_text`: the end of the rendered prompt (a `<think>` the template left open);
+    `stop`: the request's stop strings (harmony applies them to the tokens it parses)."""
     chat_format = state.chat_format
     if chat_format.is_harmony:
-        harmony = chat_format.output_parser(prompt_text)
+        harmony = chat_format.output_parser(prompt_text, stop)
         return harmony if plan is None or plan.is_parallel else FirstCallOnly(harmony)
     tools = _tool_parser(state, plan)
     reasoning = chat_format.output_parser(prompt_text) if chat_format.reasoning_parser else None

@@ -16,12 +16,18 @@ REASONING_PARSERS = (*THINK_PARSERS, HARMONY_PARSER)
 
 
 def new_reasoning_parser(
-    name: str, tokenizer: Any = None, *, prompt_text: str = "", harmony_encoding: Any = None
+    name: str,
+    tokenizer: Any = None,
+    *,
+    prompt_text: str = "",
+    harmony_encoding: Any = None,
+    stop: list[str] | None = None,
 ) -> OutputParser:
     """A fresh parser for one choice. `prompt_text`: the rendered prompt (did it open `<think>`?);
-    the harmony parser takes the encoding, or loads it from the model's `tokenizer`."""
+    the harmony parser takes the encoding (or loads it from the model's `tokenizer`) and the
+    request's `stop` strings (it reads tokens, which the engine's text cut does not reach)."""
     if name == HARMONY_PARSER:
-        return HarmonyParser(tokenizer, encoding=harmony_encoding)
+        return HarmonyParser(tokenizer, encoding=harmony_encoding, stop=stop)
     if name not in THINK_PARSERS:
         raise ValueError(
             f"unknown reasoning parser {name!r}; allowed: {', '.join(REASONING_PARSERS)}"

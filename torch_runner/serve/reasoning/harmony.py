@@ -8,6 +8,10 @@ message body; any other recipient (built-in tools this server does not run) -> r
 Output that is not harmony (a random or badly tuned model, a grammar's JSON) is never dropped:
 output that does not open with a header, a header that never reaches `<|message|>`, and
 everything from a token the parser rejects on, becomes content (special tokens left out).
+
+`stop` strings: the engine finds them in its detokenized text but the fields come from tokens,
+so the parser cuts each message body (and the plain-text fallback) at the first stop string
+itself and holds back a tail that could still become one, as the engine does for plain text.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from torch_runner.detokenizer import find_stop, holdback_length
 from torch_runner.serve.parsing import DeltaMessage, ParsedMessage, ToolCallDelta, accumulate
 from torch_runner.serve.reasoning.harmony_encoding import load_harmony_encoding
 from torch_runner.serve.tool_parsers import register_tool_parser
@@ -34,21 +39,28 @@ def new_call_id() -> str:
 @register_tool_parser("openai")  # vLLM's tool-call parser name for gpt-oss; one parser does both
 class HarmonyParser:
     """One per choice, over openai-harmony's gpt-oss encoding: given, or loaded (once) from the
-    model's `tokenizer` (see harmony_encoding.py)."""
+    model's `tokenizer` (see harmony_encoding.py). `stop`: the request's stop strings."""
 
-    def __init__(self, tokenizer: Any = None, *, encoding: Any = None):
+    def __init__(
+        self, tokenizer: Any = None, *, encoding: Any = None, stop: list[str] | None = None
+    ):
         import openai_harmony as harmony
 
         self.encoding = encoding if encoding is not None else load_harmony_encoding(tokenizer)
+        self.stops = list(stop or [])
         self.structure_ids = {
             t for name in STRUCTURE for t in self.encoding.encode(name, allowed_special="all")
         }
-        self.parser = harmony.StreamableParser(encoding, harmony.Role.ASSISTANT)
+        self.parser = harmony.StreamableParser(self.encoding, harmony.Role.ASSISTANT)
         self.header_ids: list[int] = []  # ids of a header not yet closed by <|message|>
         self.raw_ids: list[int] | None = None  # set once output stops being harmony
         self.raw_sent = 0  # characters of decode(raw_ids) already sent
-        self.num_calls = 0
+        self.body = ""  # the open message's text so far ...
+        self.body_sent = 0  # ... and how much of it has been routed
+        self.route: tuple[str | None, str] = (None, "")  # its (channel, recipient)
+        self.is_stopped = False  # a stop string was reached: nothing more is sent
         self.is_first_token = True
+        self.num_calls = 0
         self.call_message: int | None = None  # index in parser.messages of the open tool call
 
     def feed(self, delta_text: str, delta_token_ids: list[int]) -> DeltaMessage:
@@ -60,16 +72,19 @@ class HarmonyParser:
 
     def finish(self) -> DeltaMessage:
         delta = DeltaMessage()
+        self._release(delta, is_final=True)  # a message cut off by max_tokens
         if self.raw_ids is None and self.header_ids:
             self.raw_ids = self.header_ids  # a header that never opened a message: show it
         self._send_raw(delta, is_final=True)
         return delta
 
     def parse(self, text: str, token_ids: list[int]) -> ParsedMessage:
-        parser = HarmonyParser(encoding=self.encoding)
+        parser = HarmonyParser(encoding=self.encoding, stop=self.stops)
         return accumulate([parser.feed(text, token_ids), parser.finish()])
 
     def _process(self, token_id: int, delta: DeltaMessage) -> None:
+        if self.is_stopped:
+            return
         if self.raw_ids is not None:
             self.raw_ids.append(token_id)
             return
@@ -81,11 +96,16 @@ class HarmonyParser:
             self.raw_ids = [token_id]  # e.g. a grammar's JSON from the first token: stream it
             return
         self.is_first_token = False
+        num_messages = len(self.parser.messages)
         try:
             self.parser.process(token_id)
         except Exception:  # HarmonyError (or any other refusal): not harmony any more, plain text
+            self._release(delta, is_final=True)
             self.raw_ids = [*self.header_ids, token_id]
             return
+        if len(self.parser.messages) > num_messages:  # the open message just ended
+            self._release(delta, is_final=True)
+            self.body, self.body_sent = "", 0
         state = self.parser.state
         if state == harmony.StreamState.HEADER:
             self.header_ids.append(token_id)
@@ -94,11 +114,13 @@ class HarmonyParser:
         if state != harmony.StreamState.CONTENT:
             return
         recipient = self.parser.current_recipient or ""
+        self.route = (self.parser.current_channel, recipient)
         if recipient.startswith(FUNCTIONS_PREFIX):
             self._open_call(recipient, delta)
         piece = self.parser.last_content_delta
         if piece:
-            self._route(piece, recipient, delta)
+            self.body += piece
+            self._release(delta, is_final=False)
 
     def _can_open_output(self, token_id: int) -> bool:
         """After `<|start|>assistant` comes `<|channel|>`, or a ` to=` recipient before it."""
@@ -118,10 +140,27 @@ class HarmonyParser:
             ToolCallDelta(index=self.num_calls - 1, id=new_call_id(), name=name)
         )
 
-    def _route(self, piece: str, recipient: str, delta: DeltaMessage) -> None:
+    def _cut(self, text: str, sent: int, is_final: bool) -> int:
+        """How far `text` may be sent: up to a stop string (then stop), or all but a tail that
+        could still grow into one."""
+        if not self.stops:
+            return len(text)
+        found = find_stop(text, self.stops, sent - max(map(len, self.stops)) + 1)
+        if found is not None:
+            self.is_stopped = True
+            return found[0]
+        return len(text) if is_final else len(text) - holdback_length(text, self.stops)
+
+    def _release(self, delta: DeltaMessage, is_final: bool) -> None:
+        """Route the open message's text that may go out now."""
+        end = self._cut(self.body, self.body_sent, is_final)
+        piece, self.body_sent = self.body[self.body_sent : end], max(end, self.body_sent)
+        if not piece:
+            return
+        channel, recipient = self.route
         if recipient.startswith(FUNCTIONS_PREFIX):
             delta.tool_calls.append(ToolCallDelta(index=self.num_calls - 1, arguments=piece))
-        elif self.parser.current_channel == "analysis" or recipient:
+        elif channel == "analysis" or recipient:
             delta.reasoning_content = (delta.reasoning_content or "") + piece
         else:
             delta.content = (delta.content or "") + piece
@@ -134,6 +173,7 @@ class HarmonyParser:
             [t for t in self.raw_ids if not self.encoding.is_special_token(t)]
         )  # special tokens stay hidden, as skip_special_tokens hides them from plain text
         end = len(text) if is_final else len(text) - (text.endswith(REPLACEMENT))
+        end = min(end, self._cut(text, self.raw_sent, is_final))
         if end > self.raw_sent:
             delta.content = (delta.content or "") + text[self.raw_sent : end]
             self.raw_sent = end
