@@ -299,3 +299,21 @@ def test_stop_string_ends_the_harmony_answer_before_it(gptoss):
     reply = client.chat.completions.create(**request)
     assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("hello ", "stop")
     assert stream_message(client, **request) == ("hello ", None, [], "stop")
+
+
+def test_each_choice_gets_its_own_harmony_parser(gptoss):
+    client, _ = gptoss
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=60,
+        temperature=1.0,
+        seed=11,
+        n=3,
+        extra_body={"response_format": {"type": "grammar", "grammar": ANSWER_GRAMMAR}},
+    )
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        assert WORDS_RE.fullmatch(choice.message.reasoning_content)
+        assert WORDS_RE.fullmatch(choice.message.content)
+    assert len({c.message.content for c in reply.choices}) > 1  # seeds differ per choice
