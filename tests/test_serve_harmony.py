@@ -317,3 +317,29 @@ def test_each_choice_gets_its_own_harmony_parser(gptoss):
         assert WORDS_RE.fullmatch(choice.message.reasoning_content)
         assert WORDS_RE.fullmatch(choice.message.content)
     assert len({c.message.content for c in reply.choices}) > 1  # seeds differ per choice
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_is_the_body_of_a_final_message(gptoss, harmony_encoding, stream):
+    """response_format on gpt-oss: the model writes <|channel|>final<|message|> then the JSON."""
+    client, spy = gptoss
+    request = dict(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=40,
+        temperature=1.0,
+        seed=6,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": WEATHER_SCHEMA},
+        },
+    )
+    reply = client.chat.completions.create(**request)
+    message = reply.choices[0].message
+    jsonschema.validate(json.loads(message.content), WEATHER_SCHEMA)
+    assert message.reasoning_content is None and reply.choices[0].finish_reason == "stop"
+    raw = spy.outputs[f"{reply.id}-0"]
+    assert raw[0] == CHANNEL  # "final" itself may take any tokenization the model picks
+    assert harmony_oracle(harmony_encoding, raw) == [("final", None, message.content)]
+    if stream:
+        assert stream_message(client, **request) == (message.content, None, [], "stop")

@@ -23,7 +23,11 @@ from torch_runner.serve.generation import (
     run_choices,
     usage_of,
 )
-from torch_runner.serve.harmony_tools import harmony_call_grammar
+from torch_runner.serve.harmony_tools import (
+    WRAPPED_KINDS,
+    harmony_call_grammar,
+    harmony_final_grammar,
+)
 from torch_runner.serve.logprobs import chat_logprobs
 from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
 from torch_runner.serve.params import chat_fields, structured_spec
@@ -131,7 +135,8 @@ def _harmony_prompt(
 def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
     """Forced tool choices constrain the output; some auto parsers need special tokens kept.
 
-    gpt-oss: forced calls are harmony call messages, and <|return|> / <|call|> end a turn."""
+    gpt-oss: forced calls are harmony call messages, a response_format is the body of a final
+    message, and <|return|> / <|call|> end a turn."""
     chat_format = state.chat_format
     if chat_format.is_harmony:
         stops = set(fields.get("stop_token_ids") or []) | set(chat_format.stop_token_ids)
@@ -142,6 +147,9 @@ def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
         fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
     elif plan.is_forced:
         fields["structured"] = plan.structured_spec()
+    elif chat_format.is_harmony and getattr(fields.get("structured"), "kind", "") in WRAPPED_KINDS:
+        grammar = harmony_final_grammar(chat_format.harmony_encoding, fields["structured"])
+        fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
     try:
         if keeps_special_tokens(state, plan):
             fields["skip_special_tokens"] = False
