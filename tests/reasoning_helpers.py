@@ -18,15 +18,19 @@ class EngineSpy:
     def __init__(self, async_engine):
         self.prompts: list[list[int]] = []
         self.outputs: dict[str, list[int]] = {}
-        original = async_engine.generate
+        original = async_engine.submit
 
-        async def generate(request_id, prompt_ids, params):
-            self.prompts.append(list(prompt_ids))
-            async for output in original(request_id, prompt_ids, params):
+        async def watch(request_id, stream):
+            async for output in stream:
                 self.outputs[request_id] = list(output.token_ids)
                 yield output
 
-        async_engine.generate = generate
+        def submit(requests):
+            self.prompts.extend(list(prompt_ids) for _, prompt_ids, _ in requests)
+            streams = original(requests)
+            return [watch(request_id, s) for (request_id, _, _), s in zip(requests, streams)]
+
+        async_engine.submit = submit
 
 
 def start(path):

@@ -300,3 +300,52 @@ def test_server_unaffected_after_bad_requests(client):
     test_bad_tool_choice_values(client)
     reply = _create(client, tool_choice="required", max_tokens=80, logit_bias=END_LIST)
     _assert_valid_calls(reply.choices[0].message)
+
+
+def test_stream_with_several_choices_matches_non_stream(client):
+    args = dict(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=1.0,
+        seed=11,
+        n=3,
+        logit_bias=END_LIST,
+    )
+    whole = client.chat.completions.create(**args)
+    with client.chat.completions.stream(**args) as stream:
+        streamed = stream.get_final_completion()
+    assert len(streamed.choices) == 3
+    for got, want in zip(streamed.choices, whole.choices, strict=True):
+        assert got.index == want.index
+        assert _calls(got.message) == _calls(want.message)
+        assert got.finish_reason == want.finish_reason == "tool_calls"
+
+
+def test_strict_pydantic_tools_parse_through_the_client_helpers(client):
+    """`openai.pydantic_function_tool` + `chat.completions.parse` / `.stream`: the path agent
+    frameworks take; the client validates the arguments into the model itself."""
+    from typing import Literal
+
+    import pydantic
+
+    class GetWeather(pydantic.BaseModel):
+        city: Literal["Paris", "Rome"]
+        days: int = pydantic.Field(ge=1, le=7)
+
+    args = dict(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=100,
+    )
+    [call] = client.chat.completions.parse(**args).choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+    with client.chat.completions.stream(**args) as stream:
+        [streamed] = stream.get_final_completion().choices[0].message.tool_calls
+    assert streamed.function.parsed_arguments == call.function.parsed_arguments

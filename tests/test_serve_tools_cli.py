@@ -72,6 +72,7 @@ def test_chat_template_file_sets_the_format_and_the_parser(tmp_path):
             temperature=0,
             response_format={"type": "regex", "regex": llama_call},
         )
+        assert "tool-call parser: llama3_json   chat template: --chat-template" in server.output()
         [call] = reply.choices[0].message.tool_calls  # read by llama3_json, picked from the file
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
         assert reply.choices[0].finish_reason == "tool_calls"

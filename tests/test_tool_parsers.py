@@ -7,6 +7,7 @@ arguments are also checked with `json.loads` against the objects the text was bu
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -240,3 +241,51 @@ def test_registry_names_and_unknown_name():
     assert {"hermes", "llama3_json", "mistral", "openai"} <= set(tool_parser_names())
     with pytest.raises(ValueError, match="allowed values: .*hermes"):
         get_tool_parser("nope")
+
+
+FUZZ_PIECES = (
+    "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "{", "}", "[", "]",
+    '"', "\\", ":", ",", ";", " ", "\n", "name", '"name"', '"arguments"', '"parameters"', '"f"',
+    "abc", "1", "null", "<tool", "_call>", "[TOOL", '"id"',
+)  # fmt: skip
+FUZZ_PARSERS = {
+    "hermes": lambda: get_tool_parser("hermes")(None),
+    "llama3_json": lambda: get_tool_parser("llama3_json")(None),
+    "mistral": lambda: get_tool_parser("mistral")(None),
+    "required": RequiredCallsParser,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUZZ_PARSERS))
+def test_random_marker_soup_streams_like_parse(name):
+    """Seeded random mixes of markers, braces and quotes: a character-at-a-time stream and a
+    stream cut at three random points both accumulate to `parse`."""
+    make, rng = FUZZ_PARSERS[name], random.Random(name)
+    for _ in range(500):
+        text = "".join(rng.choice(FUZZ_PIECES) for _ in range(rng.randint(1, 30)))
+        whole = _summary(make().parse(text, []))
+        assert _summary(_stream(make(), list(text))) == whole, text
+        cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert _summary(_stream(make(), pieces)) == whole, (text, cuts)
+
+
+def test_only_auto_with_a_special_token_parser_keeps_special_tokens():
+    from types import SimpleNamespace
+
+    from torch_runner.serve.chat_format import ChatFormat
+    from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
+    from torch_runner.serve.tools import ToolPlan
+
+    functions = [{"name": "f"}]
+    mistral = SimpleNamespace(tool_parser_name="mistral", chat_format=ChatFormat(), tokenizer=None)
+    hermes = SimpleNamespace(tool_parser_name="hermes", chat_format=ChatFormat(), tokenizer=None)
+    assert keeps_special_tokens(mistral, ToolPlan(functions, "auto"))
+    assert not keeps_special_tokens(mistral, ToolPlan(functions, "required"))
+    assert not keeps_special_tokens(mistral, ToolPlan(functions, "none"))
+    assert not keeps_special_tokens(hermes, ToolPlan(functions, "auto"))
+    # forced calls on a Mistral model get Mistral-shaped ids (its template rejects others)
+    [call] = (
+        make_output_parser(mistral, ToolPlan(functions, "named", "f")).parse("{}", []).tool_calls
+    )
+    assert len(call.id) == 9 and call.id.isalnum()

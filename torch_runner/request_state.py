@@ -39,6 +39,13 @@ class RequestState:
         self.final_text: str | None = None
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
+        self.error: str | None = None
+
+    def fail(self, message: str):
+        """End the request with finish_reason "error" (its logits went non-finite)."""
+        self.error = message
+        self.detokenizer.flush()
+        return "error", None
 
     @property
     def request_id(self) -> str:
@@ -104,4 +111,5 @@ class RequestState:
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
             stop_reason=seq.stop_reason,
+            error=self.error,
         )

@@ -33,12 +33,14 @@ from torch_runner.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
+NON_FINITE_TOKEN = -1  # StepResult token id of a row whose logits were not all finite
 PAD_WASTE = 1.3  # a group may compute at most this many padded tokens per real token
 
 
 @dataclass
 class StepResult:
-    """Sampled tokens of one step, in the order of the sampled chunks."""
+    """Sampled tokens of one step, in the order of the sampled chunks (NON_FINITE_TOKEN marks
+    a row whose logits were not finite)."""
 
     request_ids: list[str]
     token_ids: list[int]
@@ -241,8 +243,15 @@ class ModelRunner:
         positions = torch.tensor(
             [s.num_tokens - 1 for s in seqs], dtype=torch.int64, device=self.device
         )
-        out = ops.sample(logits[:, : self.vocab_size], batch, positions, self.generator)
-        result = StepResult([s.request_id for s in seqs], out.token_ids.tolist())
+        logits = logits[:, : self.vocab_size]
+        out = ops.sample(logits, batch, positions, self.generator)
+        # a row whose raw logits hold NaN/inf gets token -1 (the engine ends that request with
+        # an error); folded into the one transfer of token ids below, so no extra sync. An fp32
+        # row sum is NaN/inf iff some logit is (finite logits cannot reach 3e38 in total), and
+        # costs a quarter of the argmax (isfinite().all() cost 6x the argmax: a [B, V] bool)
+        is_finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # [B]
+        token_ids = torch.where(is_finite, out.token_ids, NON_FINITE_TOKEN)
+        result = StepResult([s.request_id for s in seqs], token_ids.tolist())
         if out.logprobs is not None:
             result.logprobs = out.logprobs.tolist()
             if out.top_logprobs is not None:

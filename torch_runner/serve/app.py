@@ -8,13 +8,15 @@ around any engine in tests and by the CLI alike. Auth guards `/v1/*` only: `/hea
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from torch_runner.serve.chat import create_chat_completion
 from torch_runner.serve.completions import create_completion
+from torch_runner.serve.drain import DrainGuard
 from torch_runner.serve.errors import EngineStoppedError, error_response, install_error_handlers
 from torch_runner.serve.metrics import CONTENT_TYPE
 from torch_runner.serve.middleware import ApiKeyGuard, BodySizeLimit, RequestMetrics
+from torch_runner.serve.offload import OffloadedJsonRoute
 from torch_runner.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -27,6 +29,20 @@ from torch_runner.serve.protocol import (
 from torch_runner.serve.state import ServingState
 
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+# one server-sent event: `data:` holds a JSON chunk (a *Response / chunk, or an error body) or
+# the final "[DONE]"
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
+# generation also answers 500 (the model failed the request: non-finite logits) and, with
+# "stream": true, 200 as server-sent events
+GENERATION_RESPONSES = {
+    **ERROR_RESPONSES,
+    500: {"model": ErrorResponse},
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
+}
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -34,11 +50,14 @@ def create_app(state: ServingState) -> FastAPI:
     """Build the OpenAI-compatible app around a started engine."""
     app = FastAPI(title="torch_runner", summary="OpenAI-compatible API over torch_runner's engine")
     app.state.serving = state
+    app.router.route_class = OffloadedJsonRoute  # large JSON bodies decode off the event loop
     install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while the engine loop runs; 503 once it has stopped (a load balancer drains us)."""
+        """200 while the engine loop runs; 503 once it has stopped or while the server drains."""
+        if state.drain.is_draining:
+            return state.drain.health()
         if not getattr(state.engine, "is_running", True):
             return error_response(
                 EngineStoppedError("the engine loop is not running", code="engine_stopped")
@@ -51,7 +70,7 @@ def create_app(state: ServingState) -> FastAPI:
         }
         return JSONResponse(body)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -62,7 +81,7 @@ def create_app(state: ServingState) -> FastAPI:
     @app.post(
         "/v1/completions",
         response_model=CompletionResponse,
-        responses=ERROR_RESPONSES,
+        responses=GENERATION_RESPONSES,
     )
     async def completions(body: CompletionRequest, http: Request) -> Response:
         return await create_completion(state, body, http)
@@ -70,7 +89,7 @@ def create_app(state: ServingState) -> FastAPI:
     @app.post(
         "/v1/chat/completions",
         response_model=ChatCompletionResponse,
-        responses=ERROR_RESPONSES,
+        responses=GENERATION_RESPONSES,
     )
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         return await create_chat_completion(state, body, http)
@@ -78,6 +97,7 @@ def create_app(state: ServingState) -> FastAPI:
     # Last added runs first: metrics see every outcome, auth precedes reading the body.
     app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
     app.add_middleware(ApiKeyGuard, check=state.check_api_key)
+    app.add_middleware(DrainGuard, drain=state.drain, paths=GENERATION_PATHS)
     app.add_middleware(
         RequestMetrics, observe=state.metrics.observe_request, paths=GENERATION_PATHS
     )

@@ -13,7 +13,7 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from torch_runner.serve.chat_format import check_template_kwargs
 from torch_runner.serve.errors import InvalidRequestError, param_error
@@ -29,6 +29,7 @@ from torch_runner.serve.harmony_tools import (
     harmony_final_grammar,
 )
 from torch_runner.serve.logprobs import chat_logprobs
+from torch_runner.serve.offload import json_response
 from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
 from torch_runner.serve.params import chat_fields, structured_spec
 from torch_runner.serve.parsing import DeltaMessage, OutputParser
@@ -68,15 +69,22 @@ async def create_chat_completion(
     """Render messages with the chat template, fan out n choices; answer as JSON or SSE."""
     arrived_at = time.perf_counter()
     state.check_model(body.model)
-    fields = chat_fields(body, state.vocab_size)
+    fields = await state.offload(chat_fields, body, state.vocab_size)
     plan = plan_tools(body)
     _apply_tool_plan(state, plan, fields)
-    prompt_ids, prompt_tail = _render_prompt(state, body, plan)
+    prompt_ids, prompt_tail = await state.offload(_render_prompt, state, body, plan)
     max_name = _param_names(body)["max_tokens"]
     check_context(len(prompt_ids), fields["max_tokens"], state.max_model_len, "messages", max_name)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = state.build_choices(
-        request_id, [prompt_ids], fields, body.n, body.seed, _param_names(body), arrived_at
+    choices = await state.offload(
+        state.build_choices,
+        request_id,
+        [prompt_ids],
+        fields,
+        body.n,
+        body.seed,
+        _param_names(body),
+        arrived_at,
     )
     model = body.model or state.model_name
 
@@ -84,13 +92,15 @@ async def create_chat_completion(
         return await _stream(state, body, http, choices, request_id, model, plan, prompt_tail)
     if not await run_choices(http, state.engine, choices, on_close=lambda: state.record(choices)):
         return Response(status_code=499)
-    response = ChatCompletionResponse(
-        id=request_id,
-        model=model,
-        choices=[_final_choice(state, body, choice, plan, prompt_tail) for choice in choices],
-        usage=usage_of(choices),
+    response = await state.offload(
+        lambda: ChatCompletionResponse(
+            id=request_id,
+            model=model,
+            choices=[_final_choice(state, body, choice, plan, prompt_tail) for choice in choices],
+            usage=usage_of(choices),
+        )
     )
-    return JSONResponse(response.model_dump())
+    return await state.offload(json_response, response)
 
 
 def _render_prompt(

@@ -14,7 +14,10 @@ import sys
 from typing import Any
 
 from bridge import MlxRuntimeError, resolve_device, use_mlx, validate_device
-from torch_runner.serve.state import DEFAULT_MAX_BODY_BYTES
+from models.loader import LOAD_FORMATS
+from torch_runner.config import ALLOWED_DTYPES
+from torch_runner.serve.drain import DEFAULT_SHUTDOWN_TIMEOUT
+from torch_runner.serve.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -72,10 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--dtype",
         default=d["dtype"],
-        help="auto, float32, bfloat16, float16 or float64. Default: %(default)s.",
+        choices=ALLOWED_DTYPES,
+        help="Weights and activations dtype (auto: the checkpoint's). Default: %(default)s.",
     )
     model.add_argument(
-        "--load-format", default=d["load_format"], help="Checkpoint format. Default: %(default)s."
+        "--load-format",
+        default=d["load_format"],
+        choices=LOAD_FORMATS,
+        help="safetensors, or dummy (seeded random weights from config.json alone). "
+        "Default: %(default)s.",
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument(
@@ -173,6 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="Request body size limit (413 above it). Default: %(default)s.",
     )
     server.add_argument(
+        "--max-choices-per-request",
+        type=int,
+        default=DEFAULT_MAX_CHOICES,
+        help="Most choices (prompts x n) one request may ask for; more is a 400. "
+        "Default: %(default)s.",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="On SIGTERM/SIGINT: seconds in-flight requests may run on (new ones get 503) "
+        "before the rest are ended with an error. Default: %(default)s.",
+    )
+    server.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="Default: %(default)s."
     )
     return parser
@@ -193,7 +215,8 @@ def _add_tool_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=tool_parser_names(),
         help="How tool calls are read from tool_choice=auto output (vLLM's names). Default: "
-        "from the model (model_type, chat template); hermes for a template without tools.",
+        "from the model (chat template markers, then model_type); hermes for a template "
+        "without tools.",
     )
     tools.add_argument(
         "--enable-auto-tool-choice",
@@ -264,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"--port {args.port} is out of range; allowed: 0..65535")
     if args.max_body_bytes < 1:
         _fail(f"--max-body-bytes {args.max_body_bytes} is invalid; expected >= 1")
+    if args.max_choices_per_request < 1:
+        _fail(f"--max-choices-per-request {args.max_choices_per_request} is invalid; expected >= 1")
+    if not args.shutdown_timeout >= 0:
+        _fail(f"--shutdown-timeout {args.shutdown_timeout} is invalid; expected seconds >= 0")
     try:
         config = engine_config(args)
     except ValueError as exc:

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from torch_runner.serve.errors import APIError, PayloadTooLargeError, error_response
+from torch_runner.serve.offload import request_bytes
 
 
 class _BodyTooLarge(HTTPException):
@@ -50,6 +51,7 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                request_bytes.set(received)  # the worker pool sends large bodies' work aside
                 if received > self.max_bytes:
                     raise _BodyTooLarge(self.max_bytes)
             return message

@@ -12,8 +12,8 @@ from typing import Any
 
 from torch_runner.serve.parsing import ChainedParser, FirstCallOnly, OutputParser, PlainParser
 from torch_runner.serve.tool_parsers import get_tool_parser, select_tool_parser
+from torch_runner.serve.tool_parsers.base import new_call_id
 from torch_runner.serve.tool_parsers.forced import NamedCallParser, RequiredCallsParser
-from torch_runner.serve.tool_parsers.json_calls import new_call_id
 from torch_runner.serve.tool_prompt import template_supports_tools
 from torch_runner.serve.tools import ToolPlan
 

@@ -12,13 +12,23 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from torch_runner.serve.encoding import check_encodable
 
 MAX_TOP_LOGPROBS = 20
+# "error": the model produced non-finite logits for that choice (an error event/JSON follows)
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every request model: unknown fields are a 400, types are strict (`"stream": "yes"` and
+    `[[false, true]]` as token ids are rejected, not coerced), and no string may hold a lone
+    surrogate. Fields added by subclasses inherit all three."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    _encodable = field_validator("*")(check_encodable)
 
 
 class StreamOptions(_Request):
@@ -156,7 +166,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -183,7 +193,7 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
-ChatFinishReason = Literal["stop", "length", "tool_calls", "abort"]
+ChatFinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 class FunctionCallOut(BaseModel):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from typing import Any
 
-from torch_runner.serve.state import DEFAULT_MODEL_ALIAS, ServingState
+from torch_runner.serve.state import DEFAULT_MAX_CHOICES, DEFAULT_MODEL_ALIAS, ServingState
+
+FINAL_EVENT_SECONDS = 5  # uvicorn's own wait, after the drain, for responses still being sent
 
 
 def served_name(args: argparse.Namespace, engine: Any) -> str:
@@ -19,7 +22,7 @@ def served_name(args: argparse.Namespace, engine: Any) -> str:
 
 
 def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str) -> str:
-    """Device, dtype, per-op backend, KV capacity and URL, in one block printed once."""
+    """Device, dtype, per-op backend, KV capacity, tool parser and URL, in one block printed once."""
     stats = state.engine_stats()
     ops = ", ".join(f"{name}={backend}" for name, backend in backends.items())
     auth = " (API key required)" if state.api_key else ""
@@ -30,6 +33,8 @@ def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str)
             f"  ops: {ops}",
             f"  KV capacity: {stats.get('kv_total_tokens')} tokens   max_model_len: {state.max_model_len}   "
             f"max_num_seqs: {engine.config.max_num_seqs}",
+            f"  tool-call parser: {state.tool_parser_name}"
+            + ("   chat template: --chat-template" if state.chat_template else ""),
             f"  listening on {url}/v1{auth}",
         ]
     )
@@ -56,6 +61,7 @@ def serving_state(
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str = "auto",
+    max_choices: int = DEFAULT_MAX_CHOICES,
 ):
     """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`.
 
@@ -85,17 +91,39 @@ def serving_state(
         chat_template=chat_template,
         tool_parser_name=parser,
         chat_format=chat_format,
+        max_choices=max_choices,
     )
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket first, so a busy port fails in a second, before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        print(
+            f"error: cannot listen on {host}:{port} (--host/--port): {exc.strerror}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(args: argparse.Namespace, config: Any) -> None:
-    """Load the engine (after the CLI's MLX gate), print the banner, serve until interrupted."""
+    """Bind the port, load the engine (after the CLI's MLX gate), print the banner, serve until
+    SIGTERM/SIGINT, then drain (serve/drain.py) and exit 0."""
     import uvicorn
 
     import ops
     from torch_runner import AsyncEngine, Engine
     from torch_runner.serve.app import create_app
+    from torch_runner.serve.drain import DrainingServer
 
+    sock = bind_socket(args.host, args.port)
     try:
         chat_template = read_chat_template(args.chat_template)
         engine = Engine.from_config(config)
@@ -114,20 +142,20 @@ def run_server(args: argparse.Namespace, config: Any) -> None:
                 max_body_bytes=args.max_body_bytes,
                 chat_template=chat_template,
                 tool_call_parser=args.tool_call_parser,
+                max_choices=args.max_choices_per_request,
                 reasoning_parser=args.reasoning_parser,
             )
         except ValueError as exc:  # a --reasoning-parser this model cannot use
             print(f"error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         app = create_app(state)
-        url = f"http://{args.host}:{args.port}"
+        url = f"http://{args.host}:{sock.getsockname()[1]}"
         print(banner(state, engine, ops.backends(), url), flush=True)
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+        config = uvicorn.Config(
+            app, log_level=args.log_level, timeout_graceful_shutdown=FINAL_EVENT_SECONDS
         )
+        server = DrainingServer(config, state.drain, async_engine, args.shutdown_timeout)
+        server.run(sockets=[sock])
+        state.pool.close()
     finally:
         async_engine.shutdown()

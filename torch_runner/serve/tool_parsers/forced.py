@@ -12,11 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_runner.serve.parsing import DeltaMessage, ParsedMessage, ToolCall, ToolCallDelta
-from torch_runner.serve.tool_parsers.json_calls import (
-    CallScanner,
-    StreamingToolParser,
-    new_call_id,
-)
+from torch_runner.serve.tool_parsers.base import StreamingToolParser, new_call_id
+from torch_runner.serve.tool_parsers.json_calls import CallScanner
 
 
 def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:

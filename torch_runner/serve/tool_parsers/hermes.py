@@ -9,11 +9,8 @@ from __future__ import annotations
 
 from torch_runner.serve.parsing import DeltaMessage
 from torch_runner.serve.tool_parsers import register_tool_parser
-from torch_runner.serve.tool_parsers.json_calls import (
-    CallScanner,
-    StreamingToolParser,
-    longest_prefix_suffix,
-)
+from torch_runner.serve.tool_parsers.base import StreamingToolParser, longest_prefix_suffix
+from torch_runner.serve.tool_parsers.json_calls import CallScanner
 
 START = "<tool_call>"
 END = "</tool_call>"

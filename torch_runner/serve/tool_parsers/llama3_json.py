@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from torch_runner.serve.parsing import DeltaMessage
 from torch_runner.serve.tool_parsers import register_tool_parser
-from torch_runner.serve.tool_parsers.json_calls import CallScanner, StreamingToolParser
+from torch_runner.serve.tool_parsers.base import StreamingToolParser
+from torch_runner.serve.tool_parsers.json_calls import CallScanner
 
 PYTHON_TAG = "<|python_tag|>"
 

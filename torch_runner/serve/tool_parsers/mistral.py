@@ -1,28 +1,31 @@
 """Mistral calls: `[TOOL_CALLS]` then a JSON list `[{"name": ..., "arguments": {...}}, ...]`
-(v3 tokenizers), or `[TOOL_CALLS]name[ARGS]{...}` (v11+ tokenizers). vLLM's name: `mistral`.
+(v3 tokenizers), or `[TOOL_CALLS]name[ARGS]{...}` per call (v11+ tokenizers). vLLM's name:
+`mistral`.
 
 `[TOOL_CALLS]` is a control token, so requests using this parser keep special tokens in the text
-(`skip_special_tokens = False`). Text before the marker is content. Call ids are nine
-alphanumerics, the only shape Mistral's chat templates accept back in the history.
+(`skip_special_tokens = False`). Text before the marker is content, and so is a marker followed
+by neither JSON nor a function name. Call ids are nine alphanumerics, the only shape Mistral's
+chat templates accept back in the history. After the marker every decision is taken one
+character at a time, so where a stream is cut never changes the result.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 
 from torch_runner.serve.parsing import DeltaMessage
 from torch_runner.serve.tool_parsers import register_tool_parser
-from torch_runner.serve.tool_parsers.json_calls import (
-    CallScanner,
-    StreamingToolParser,
-    longest_prefix_suffix,
-)
+from torch_runner.serve.tool_parsers.base import StreamingToolParser, longest_prefix_suffix
+from torch_runner.serve.tool_parsers.json_calls import CallScanner
 
 MARKER = "[TOOL_CALLS]"
 ARGS_MARKER = "[ARGS]"
 _ID_ALPHABET = string.ascii_letters + string.digits
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME_CHARS = set(_ID_ALPHABET + "_.-")
 
 
 @register_tool_parser("mistral")
@@ -31,90 +34,81 @@ class MistralToolParser(StreamingToolParser):
 
     def __init__(self, tokenizer=None) -> None:
         super().__init__()
-        self._buffer = ""
-        self._in_calls = False
+        self._buffer = ""  # content being searched for the marker
+        self._mode = "content"  # content | head (after a marker) | json (v3) | args (v11)
+        self._head = ""
         self._scanner = CallScanner()
-        self._name_buf: str | None = None  # v11: the text between [TOOL_CALLS] and [ARGS]
-        self._v11_open = False  # a v11 call's arguments are being read
 
     @staticmethod
     def make_id() -> str:
         return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
 
     def _feed_text(self, text: str, out: DeltaMessage) -> None:
-        self._buffer += text
-        while self._buffer:
-            if not self._in_calls:
-                found = self._buffer.find(MARKER)
-                if found < 0:
-                    keep = longest_prefix_suffix(self._buffer, MARKER)
-                    cut = len(self._buffer) - keep
-                    self.emit_content(self._buffer[:cut], out)
-                    self._buffer = self._buffer[cut:]
-                    return
-                self.emit_content(self._buffer[:found], out)
-                self._buffer = self._buffer[found + len(MARKER) :]
-                self._in_calls, self._name_buf = True, ""
-                continue
-            if self._name_buf is not None and not self._scanner.is_open:
-                if not self._name_step(out):
-                    return
-                continue
-            if self._v11_open:  # character by character: the call may end mid-chunk
-                char, self._buffer = self._buffer[0], self._buffer[1:]
+        for index, char in enumerate(text):
+            if self._mode == "content":
+                self._content_text(text[index:], out)
+                return
+            if self._mode == "head":
+                self._head_char(char, out)
+            elif self._mode == "json":
                 self._scan(self._scanner.feed(char), out)
-                continue
-            rest, self._buffer = self._buffer, ""
-            self._scan(self._scanner.feed(rest), out)
+            else:
+                self._args_char(char, out)
 
-    def _name_step(self, out: DeltaMessage) -> bool:
-        """Before a call's JSON: `[` / `{` start v3 JSON; `name[ARGS]` is a v11 call. False: wait."""
-        head = (self._name_buf or "") + self._buffer
-        stripped = head.lstrip()
-        if stripped[:1] in ("[", "{"):
-            self._name_buf, self._buffer = None, stripped
-            return True
-        found = head.find(ARGS_MARKER)
+    def _content_text(self, text: str, out: DeltaMessage) -> None:
+        self._buffer += text
+        found = self._buffer.find(MARKER)
         if found < 0:
-            if not stripped or longest_prefix_suffix(head, ARGS_MARKER) or "{" not in head:
-                self._name_buf, self._buffer = head, ""
-                return False
-            found = head.index("{")  # `name{...}`: no [ARGS] marker
-            self._start_named_call(head[:found], out)
-            self._buffer = head[found:]
-            return True
-        self._start_named_call(head[:found], out)
-        self._buffer = head[found + len(ARGS_MARKER) :]
-        return True
+            cut = len(self._buffer) - longest_prefix_suffix(self._buffer, MARKER)
+            self.emit_content(self._buffer[:cut], out)
+            self._buffer = self._buffer[cut:]
+            return
+        self.emit_content(self._buffer[:found], out)
+        rest = self._buffer[found + len(MARKER) :]
+        self._buffer, self._mode, self._head = "", "head", ""
+        self._feed_text(rest, out)
 
-    def _start_named_call(self, name: str, out: DeltaMessage) -> None:
-        # v11 writes the name outside the JSON: hand the scanner an equivalent object opening.
-        self._name_buf = None
-        self._scan(
-            self._scanner.feed('{"name": ' + json.dumps(name.strip()) + ', "arguments": '), out
-        )
-        self._v11_open = True
+    def _head_char(self, char: str, out: DeltaMessage) -> None:
+        """After the marker: JSON (v3), a name then [ARGS] (v11), or content."""
+        self._head += char
+        head = self._head.lstrip()
+        if not head:
+            return
+        if len(head) == 1 and head in "[{":
+            self._mode = "json"
+            self._scan(self._scanner.feed(head), out)
+        elif head.endswith(ARGS_MARKER) or char == "{":
+            name = head[: -len(ARGS_MARKER)] if char != "{" else head[:-1]
+            if not _NAME.match(name):
+                self._to_content(out)
+                return
+            self._mode = "args"
+            opening = '{"name": ' + json.dumps(name) + ', "arguments": '
+            self._scan(self._scanner.feed(opening + ("{" if char == "{" else "")), out)
+        else:
+            pending = longest_prefix_suffix(head, ARGS_MARKER)
+            if not set(head[: len(head) - pending]) <= _NAME_CHARS:
+                self._to_content(out)
+
+    def _to_content(self, out: DeltaMessage) -> None:
+        head, self._head, self._mode = self._head, "", "content"
+        self._content_text(head, out)
+
+    def _args_char(self, char: str, out: DeltaMessage) -> None:
+        self._scan(self._scanner.feed(char), out)
+        if self._scanner.phase == "after_value":  # the arguments ended: close the object
+            self._scan(self._scanner.feed("}"), out)
+            self._mode = "content"
 
     def _scan(self, events, out: DeltaMessage) -> None:
         for text in self.emit_call_events(events, out):
             self.emit_content(text, out)
-        if self._v11_open and self._scanner.phase == "after_value":
-            # the arguments ended: close the synthetic object; the next call has its own marker
-            self.emit_call_events(self._scanner.feed("}"), out)
-            self._v11_open = False
-            self._in_calls = False
 
     def _finish_text(self, out: DeltaMessage) -> None:
-        rest, self._buffer = self._buffer, ""
-        if not self._in_calls:
-            self.emit_content(rest, out)
+        if self._mode == "head":
+            self._to_content(out)
+        if self._mode == "content":
+            self.emit_content(self._buffer, out)
+            self._buffer = ""
             return
-        if self._name_buf is not None:
-            rest = self._name_buf + rest
-            self._name_buf = None
-            if rest.strip() and "{" not in rest and "[" not in rest:
-                self.emit_content(rest, out)
-                rest = ""
-        if rest:
-            self._scan(self._scanner.feed(rest), out)
         self._scan(self._scanner.finish(), out)
