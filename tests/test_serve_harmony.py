@@ -343,3 +343,12 @@ def test_json_schema_is_the_body_of_a_final_message(gptoss, harmony_encoding, st
     assert harmony_oracle(harmony_encoding, raw) == [("final", None, message.content)]
     if stream:
         assert stream_message(client, **request) == (message.content, None, [], "stop")
+
+
+def test_harmony_tool_result_without_its_call_is_a_400(gptoss):
+    client, _ = gptoss
+    orphan = [*USER, {"role": "tool", "tool_call_id": "call_9", "content": "{}"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=orphan, tools=TOOLS, max_tokens=1)
+    assert info.value.body["param"] == "messages.1.tool_call_id"
+    assert "call_9" in info.value.body["message"]
