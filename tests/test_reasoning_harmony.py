@@ -318,3 +318,16 @@ def test_stop_strings_cut_the_parsed_fields(harmony_encoding, messages, stops, w
         "openai_gptoss", harmony_encoding=harmony_encoding, stop=["no ch"]
     )
     assert stream(parser, [[t] for t in plain]).content == "Plain words, "
+
+
+def test_include_stop_str_keeps_the_stop_string(harmony_encoding):
+    ids = generated(harmony_encoding, [analysis(REASONING), final(ANSWER)])
+    for cut in range(len(ids) + 1):
+        parser = new_reasoning_parser(
+            "openai_gptoss",
+            harmony_encoding=harmony_encoding,
+            stop=["sunny"],
+            include_stop_str=True,
+        )
+        streamed = stream(parser, [ids[:cut], ids[cut:]])
+        assert (streamed.reasoning_content, streamed.content) == (REASONING, "It is sunny"), cut

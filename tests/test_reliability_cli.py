@@ -9,6 +9,7 @@ import pytest
 from models.loader import LOAD_FORMATS
 from torch_runner.config import ALLOWED_DTYPES, EngineConfig
 from torch_runner.serve.cli import build_parser, main
+from torch_runner.serve.flags import DTYPE_ALIASES
 
 
 def _choices(flag: str) -> tuple[str, ...]:
@@ -17,9 +18,11 @@ def _choices(flag: str) -> tuple[str, ...]:
 
 
 def test_dtype_choices_are_exactly_the_accepted_ones(capsys):
-    assert _choices("--dtype") == ALLOWED_DTYPES
+    assert _choices("--dtype") == (*ALLOWED_DTYPES, *DTYPE_ALIASES)  # vLLM's spellings too
     for dtype in ALLOWED_DTYPES:
         EngineConfig(dtype=dtype)  # each one listed is accepted
+    for alias, dtype in DTYPE_ALIASES.items():
+        assert dtype in ALLOWED_DTYPES, alias
     with pytest.raises(SystemExit) as exit_info:
         main(["--dtype", "float64"])
     assert exit_info.value.code == 2 and "invalid choice: 'float64'" in capsys.readouterr().err

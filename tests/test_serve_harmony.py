@@ -283,8 +283,10 @@ def test_harmony_bad_input_names_the_field(gptoss, field, value, allowed):
     assert client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=1).choices
 
 
-def test_stop_string_ends_the_harmony_answer_before_it(gptoss):
-    """OpenAI's rule (the stop string is not in the text) holds for fields parsed from tokens."""
+@pytest.mark.parametrize(("include", "want"), [(False, "hello "), (True, "hello world")])
+def test_stop_string_ends_the_harmony_answer(gptoss, include, want):
+    """OpenAI's rule (the stop string is not in the text; vLLM's include_stop_str_in_output
+    keeps it) holds for fields parsed from tokens."""
     client, _ = gptoss
     grammar = f'root ::= Token({CHANNEL}) "final" Token({MESSAGE}) "hello world" {WORDS}'
     request = dict(
@@ -294,11 +296,14 @@ def test_stop_string_ends_the_harmony_answer_before_it(gptoss):
         temperature=1.0,
         seed=3,
         stop=["world"],
-        extra_body={"response_format": {"type": "grammar", "grammar": grammar}},
+        extra_body={
+            "response_format": {"type": "grammar", "grammar": grammar},
+            "include_stop_str_in_output": include,
+        },
     )
     reply = client.chat.completions.create(**request)
-    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("hello ", "stop")
-    assert stream_message(client, **request) == ("hello ", None, [], "stop")
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (want, "stop")
+    assert stream_message(client, **request) == (want, None, [], "stop")
 
 
 def test_each_choice_gets_its_own_harmony_parser(gptoss):

@@ -32,8 +32,9 @@ class EngineConfig:
     budget; 0 disables chunking (prompts are prefilled whole).
     """
 
-    model: str | None = None
+    model: str | None = None  # a folder, a .gguf file or a Hub model ID (models/hub.py)
     tokenizer: str | None = None  # default: the model folder
+    revision: str | None = None  # Hub branch, tag or commit of a Hub model ID
     device: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -62,6 +63,8 @@ class EngineConfig:
             raise ValueError(
                 f"tokenizer={self.tokenizer!r} is invalid; expected a path string or None"
             )
+        if self.revision is not None and not isinstance(self.revision, str):
+            raise ValueError(f"revision={self.revision!r} is invalid; expected a string or None")
         if not isinstance(self.device, str):
             raise ValueError(f"device={self.device!r} is invalid; expected a string")
         if self.dtype not in ALLOWED_DTYPES:

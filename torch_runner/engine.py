@@ -14,6 +14,7 @@ from typing import Any
 
 from bridge import resolve_device, use_mlx, validate_device
 from models import ModelLoadError, load_model
+from models.hub import resolve_model
 from ops.sampling.params import SamplingParams
 from torch_runner.config import EngineConfig
 from torch_runner.kv.block_manager import BlockManager
@@ -73,6 +74,12 @@ class Engine:
             from models.default_model import default_model_path
 
             path = str(default_model_path())
+        else:  # a Hub model ID becomes its cached snapshot folder; local paths are checked
+            path = str(
+                resolve_model(
+                    path, revision=config.revision, load_format=config.load_format, flag="model"
+                )
+            )
         self.config = config
         loaded = load_model(
             path, device=config.device, dtype=config.dtype, load_format=config.load_format

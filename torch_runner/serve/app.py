@@ -1,8 +1,9 @@
 """The FastAPI application: routes, auth, body limit, metrics and error handlers.
 
 `create_app(state)` takes a ready `ServingState` (engine already started), so the app can be built
-around any engine in tests and by the CLI alike. Auth guards `/v1/*` only: `/health` and
-`/metrics` stay open for load balancers and scrapers, as in vLLM and SGLang.
+around any engine in tests and by the CLI alike. Auth guards `/v1/*`, `/tokenize` and
+`/detokenize`: `/health` and `/metrics` stay open for load balancers and scrapers, as in vLLM
+and SGLang.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ from torch_runner.serve.protocol import (
     ModelList,
 )
 from torch_runner.serve.state import ServingState
+from torch_runner.serve.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
 
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
 # one server-sent event: `data:` holds a JSON chunk (a *Response / chunk, or an error body) or
@@ -44,6 +53,7 @@ GENERATION_RESPONSES = {
     200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
 }
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # --api-key; /health, /metrics stay open
 
 
 def create_app(state: ServingState) -> FastAPI:
@@ -76,7 +86,23 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+        return ModelList(data=[state.model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        """The served model by its name or the 'default' alias; 404 (model_not_found) otherwise."""
+        state.check_model(model_id)
+        return state.model_card(model_id)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: a prompt or chat messages -> token ids, count, max_model_len."""
+        return tokenize(state, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's /detokenize: token ids -> the text (`prompt`)."""
+        return detokenize(state, body)
 
     @app.post(
         "/v1/completions",
@@ -96,7 +122,7 @@ def create_app(state: ServingState) -> FastAPI:
 
     # Last added runs first: metrics see every outcome, auth precedes reading the body.
     app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
-    app.add_middleware(ApiKeyGuard, check=state.check_api_key)
+    app.add_middleware(ApiKeyGuard, check=state.check_api_key, prefix=GUARDED_PREFIXES)
     app.add_middleware(DrainGuard, drain=state.drain, paths=GENERATION_PATHS)
     app.add_middleware(
         RequestMetrics, observe=state.metrics.observe_request, paths=GENERATION_PATHS

@@ -28,7 +28,7 @@ from torch_runner.serve.harmony_tools import (
     harmony_call_grammar,
     harmony_final_grammar,
 )
-from torch_runner.serve.logprobs import chat_logprobs
+from torch_runner.serve.logprobs import chat_logprobs, message_token_count
 from torch_runner.serve.offload import json_response
 from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
 from torch_runner.serve.params import chat_fields, structured_spec
@@ -114,7 +114,13 @@ def _render_prompt(
     if body.reasoning_effort is not None:
         template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     ids = chat_prompt(
-        state.tokenizer, body.messages, plan.offered, state.chat_template, template_kwargs
+        state.tokenizer,
+        body.messages,
+        plan.offered,
+        state.chat_template,
+        template_kwargs=template_kwargs,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
     )
     if not chat_format.reasoning_parser:
         return ids, ""
@@ -126,6 +132,13 @@ def _harmony_prompt(
 ) -> list[int]:
     """gpt-oss: openai-harmony renders the prompt. Of chat_template_kwargs only reasoning_effort
     applies (vLLM users pass it there too); anything else has no template to reach."""
+    if body.continue_final_message or not body.add_generation_prompt:
+        param = "continue_final_message" if body.continue_final_message else "add_generation_prompt"
+        raise InvalidRequestError(
+            f"{param} is not supported for gpt-oss: openai-harmony renders its prompt and always "
+            "opens a new assistant turn",
+            param=param,
+        )
     effort = body.reasoning_effort or template_kwargs.pop("reasoning_effort", None)
     if template_kwargs:
         raise InvalidRequestError(
@@ -172,7 +185,9 @@ def _parser(
 ) -> OutputParser:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
-        return make_output_parser(state, plan, prompt_tail, stop)
+        return make_output_parser(
+            state, plan, prompt_tail, stop, bool(body.include_stop_str_in_output)
+        )
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="tools") from None
 
@@ -189,6 +204,12 @@ def _logprobs(
     return ChoiceLogprobs(content=chat_logprobs(state.token_table, token_ids, entries))
 
 
+def _message_tokens(state: ServingState, choice: Choice) -> int:
+    return message_token_count(
+        choice.token_ids, choice.finish_reason, choice.params, state.eos_token_ids
+    )
+
+
 def _final_choice(
     state: ServingState,
     body: ChatCompletionRequest,
@@ -197,6 +218,7 @@ def _final_choice(
     prompt_tail: str,
 ) -> ChatChoice:
     parsed = _parser(state, body, plan, prompt_tail).parse(choice.text, choice.token_ids)
+    num_tokens = _message_tokens(state, choice)
     calls = [
         ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
         for c in parsed.tool_calls
@@ -209,7 +231,9 @@ def _final_choice(
     return ChatChoice(
         index=choice.index,
         message=message,
-        logprobs=_logprobs(state, body, choice.token_ids, choice.logprobs),
+        logprobs=_logprobs(
+            state, body, choice.token_ids[:num_tokens], choice.logprobs[:num_tokens]
+        ),
         finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
     )
 
@@ -274,7 +298,13 @@ async def _stream(
         if message.is_empty and increment.finish_reason is None and not body.logprobs:
             return  # held back by the parser (a partial tag); nothing to send yet
         delta = _delta(message)
-        logprobs = _logprobs(state, body, increment.delta_token_ids, increment.delta_logprobs)
+        # pair each logprob entry with its own token (entries can trail the ids by an output),
+        # and leave out a final end-of-turn token (see _final_choice)
+        entries, start = increment.delta_logprobs, increment.logprob_start
+        if increment.is_final:
+            entries = entries[: max(0, _message_tokens(state, choice) - start)]
+        delta_ids = choice.token_ids[start : start + len(entries)]
+        logprobs = _logprobs(state, body, delta_ids, entries)
         yield chunk(
             [
                 ChatChunkChoice(

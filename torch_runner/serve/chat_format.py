@@ -40,7 +40,9 @@ class ChatFormat:
     def is_harmony(self) -> bool:
         return self.reasoning_parser == HARMONY_PARSER
 
-    def output_parser(self, prompt_text: str, stop: list[str] | None = None) -> OutputParser:
+    def output_parser(
+        self, prompt_text: str, stop: list[str] | None = None, include_stop_str: bool = False
+    ) -> OutputParser:
         """A fresh parser for one choice (think parsers look at how the prompt ended)."""
         if self.reasoning_parser is None:
             return PlainParser()
@@ -49,6 +51,7 @@ class ChatFormat:
             prompt_text=prompt_text,
             harmony_encoding=self.harmony_encoding,
             stop=stop,
+            include_stop_str=include_stop_str,
         )
 
 

@@ -101,12 +101,17 @@ def param_error(exc: ValueError, param_names: dict[str, str] | None = None) -> I
 
 
 def _validation_param(loc: tuple[Any, ...]) -> str | None:
-    """('body', 'messages', 0, 'role') -> 'messages.0.role'; union branch tags are dropped."""
-    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
+    """('body', 'messages', 0, 'role') -> 'messages.0.role'; union branch tags (type names such as
+    'str' or a model class 'TextContentPart'; API field names are lower snake case) are dropped."""
+    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and _is_union_tag(p))]
     return ".".join(parts) or None
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+
+
+def _is_union_tag(part: str) -> bool:
+    return "[" in part or part in _UNION_TAGS or part[:1].isupper()
 
 
 def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:

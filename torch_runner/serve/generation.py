@@ -61,20 +61,25 @@ class Choice:
 
 @dataclass
 class Increment:
+    """What one engine output added. Rendering may lag behind (the next outputs are already
+    folded into the choice), so what an increment needs is snapshotted here, not read back."""
+
     choice: Choice
     delta_text: str
     delta_token_ids: list[int]
     delta_logprobs: list[LogprobEntry]
+    logprob_start: int = 0  # position of delta_logprobs[0] among the choice's tokens
+    is_final: bool = False  # this output finished the choice
 
     @property
     def is_empty(self) -> bool:
-        """Nothing to stream: no new text or tokens, and the choice is still running."""
-        return not (self.delta_text or self.delta_token_ids or self.choice.is_finished)
+        """Nothing to stream: no new text, tokens or logprobs, and the choice is still running."""
+        return not (self.delta_text or self.delta_token_ids or self.delta_logprobs or self.is_final)
 
     @property
     def finish_reason(self) -> str | None:
         """The choice's finish reason on its final increment; None before that."""
-        return self.choice.finish_reason if self.choice.is_finished else None
+        return self.choice.finish_reason if self.is_final else None
 
 
 def json_logprob(value: Any) -> float:
@@ -123,7 +128,14 @@ def apply_output(choice: Choice, output: Any, now: float) -> Increment:
         choice.finish_reason = output.finish_reason or "stop"
         choice.tracker.finish_reason = choice.finish_reason
         choice.error = getattr(output, "error", None)
-    return Increment(choice, delta_text, delta_ids, delta_entries)
+    return Increment(
+        choice,
+        delta_text,
+        delta_ids,
+        delta_entries,
+        logprob_start=num_done,
+        is_final=output.finished,
+    )
 
 
 def engine_error(exc: Exception) -> APIError:

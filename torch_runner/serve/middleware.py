@@ -97,9 +97,14 @@ class RequestMetrics:
 
 
 class ApiKeyGuard:
-    """401 for `/v1/*` without the right key, before the body is even read."""
+    """401 for `/v1/*` (or the given path prefixes) without the right key, before the body is read."""
 
-    def __init__(self, app: ASGIApp, check: Callable[[str | None], None], prefix: str = "/v1"):
+    def __init__(
+        self,
+        app: ASGIApp,
+        check: Callable[[str | None], None],
+        prefix: str | tuple[str, ...] = "/v1",
+    ):
         self.app = app
         self.check = check
         self.prefix = prefix

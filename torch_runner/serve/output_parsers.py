@@ -46,13 +46,18 @@ def _family_parser(state: Any) -> type | None:
 
 
 def make_output_parser(
-    state: Any, plan: ToolPlan | None, prompt_text: str = "", stop: list[str] | None = None
+    state: Any,
+    plan: ToolPlan | None,
+    prompt_text: str = "",
+    stop: list[str] | None = None,
+    include_stop_str: bool = False,
 ) -> OutputParser:
     """`prompt_text`: the end of the rendered prompt (a `<think>` the template left open);
-    `stop`: the request's stop strings (harmony applies them to the tokens it parses)."""
+    `stop`, `include_stop_str`: the request's stop strings (harmony applies them to the tokens
+    it parses) and whether they stay in the text."""
     chat_format = state.chat_format
     if chat_format.is_harmony:
-        harmony = chat_format.output_parser(prompt_text, stop)
+        harmony = chat_format.output_parser(prompt_text, stop, include_stop_str)
         return harmony if plan is None or plan.is_parallel else FirstCallOnly(harmony)
     tools = _tool_parser(state, plan)
     reasoning = chat_format.output_parser(prompt_text) if chat_format.reasoning_parser else None

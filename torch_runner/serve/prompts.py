@@ -54,12 +54,19 @@ def chat_prompt(
     messages: list[ChatMessage],
     tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None,
+    *,
     template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """Render `messages` (and `tools`) with the chat template, generation prompt appended.
+    """Render `messages` (and `tools`) with the chat template and tokenize.
 
     `chat_template` (--chat-template) replaces the tokenizer's. A template without tool support
-    gets the default tool prompt (serve/tool_prompt.py). `template_kwargs` (the request's
+    gets the default tool prompt (serve/tool_prompt.py). The template already writes the special
+    tokens, so none are added again by default (`add_special_tokens` is /tokenize's switch, as
+    in vLLM). `continue_final_message` (vLLM's) leaves the last assistant message open so the
+    model continues it, instead of starting a new turn. `template_kwargs` (the request's
     chat_template_kwargs, reasoning_effort) become template variables.
     """
     template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -78,13 +85,17 @@ def chat_prompt(
         entries = with_default_tool_prompt(entries, tools)
     try:
         text = tokenizer.apply_chat_template(
-            entries, tokenize=False, add_generation_prompt=True, **kwargs
+            entries,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **kwargs,
         )
     except Exception as exc:  # jinja raises its own errors for templates that reject a conversation
         raise InvalidRequestError(
             f"messages could not be rendered by the chat template: {exc}", param="messages"
         ) from None
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if not ids:
         raise InvalidRequestError("messages render to an empty prompt", param="messages")
     return ids

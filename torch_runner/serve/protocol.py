@@ -1,8 +1,10 @@
 """Pydantic request/response models mirroring OpenAI's API, so `/openapi.json` is real.
 
 Requests forbid unknown fields: a misspelt parameter is a 400 naming it, never silently ignored.
-The few extensions beyond OpenAI (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids) follow vLLM's names so existing clients can pass them through `extra_body`.
+The extensions beyond OpenAI (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, and request_fields.py's guided_* / skip_special_tokens / ...) follow vLLM's names
+so existing clients can pass them through `extra_body`; request_fields.py also holds OpenAI's
+newer Chat fields that are accepted without steering sampling.
 Ranges here are the documented ones; `SamplingParams` re-validates them (one source of truth for
 the engine, this one for the schema).
 """
@@ -15,6 +17,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from torch_runner.serve.encoding import check_encodable
+from torch_runner.serve.request_fields import (
+    MediaContentPart,
+    MessageExtraFields,
+    OpenAIChatFields,
+    RefusalContentPart,
+    VllmChatFields,
+    VllmExtraFields,
+)
 
 MAX_TOP_LOGPROBS = 20
 # "error": the model produced non-finite logits for that choice (an error event/JSON follows)
@@ -33,6 +43,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(
+        None, description="Ignored: chunks carry no obfuscation padding."
+    )
 
 
 class _SamplingFields(_Request):
@@ -64,7 +77,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, VllmExtraFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="A string, a list of strings, token ids, or a list of token-id lists."
     )
@@ -93,9 +106,9 @@ class MessageToolCall(_Request):
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(_Request, MessageExtraFields):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart | RefusalContentPart | MediaContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = Field(None, description="role tool: the id of the call answered.")
     tool_calls: list[MessageToolCall] | None = Field(None, description="role assistant only.")
@@ -116,7 +129,7 @@ class ToolDefinition(_Request):
     function: FunctionDefinition
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, VllmExtraFields, VllmChatFields, OpenAIChatFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(
         None, ge=1, description="Deprecated alias of max_completion_tokens."
@@ -284,7 +297,13 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "torch_runner"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+    sampling_defaults: dict[str, Any] = Field(
+        default_factory=dict,
+        description="generation_config.json values applied when a request leaves them unset.",
+    )
 
 
 class ModelList(BaseModel):

@@ -8,6 +8,7 @@ import socket
 import sys
 from typing import Any
 
+from torch_runner.serve.generation_defaults import SamplingDefaults, load_sampling_defaults
 from torch_runner.serve.state import DEFAULT_MAX_CHOICES, DEFAULT_MODEL_ALIAS, ServingState
 
 FINAL_EVENT_SECONDS = 5  # uvicorn's own wait, after the drain, for responses still being sent
@@ -16,6 +17,8 @@ FINAL_EVENT_SECONDS = 5  # uvicorn's own wait, after the drain, for responses st
 def served_name(args: argparse.Namespace, engine: Any) -> str:
     if args.served_model_name:
         return args.served_model_name
+    if args.model and not os.path.exists(os.path.expanduser(args.model)):
+        return args.model  # a Hub ID is served under its own name, as vLLM does
     if args.model:
         return os.path.basename(os.path.normpath(args.model)) or args.model
     return getattr(engine, "model_name", None) or "SmolLM2-135M-Instruct"
@@ -31,6 +34,7 @@ def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str)
             f"torch_runner serve: model {state.model_name!r} (alias {DEFAULT_MODEL_ALIAS!r})",
             f"  device: {engine.device}   dtype: {str(engine.dtype).removeprefix('torch.')}",
             f"  ops: {ops}",
+            f"  sampling defaults: {state.sampling_defaults.describe()}",
             f"  KV capacity: {stats.get('kv_total_tokens')} tokens   max_model_len: {state.max_model_len}   "
             f"max_num_seqs: {engine.config.max_num_seqs}",
             f"  tool-call parser: {state.tool_parser_name}"
@@ -62,13 +66,15 @@ def serving_state(
     tool_call_parser: str | None = None,
     reasoning_parser: str = "auto",
     max_choices: int = DEFAULT_MAX_CHOICES,
+    sampling_defaults: SamplingDefaults | None = None,
 ):
     """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`.
 
     The tool-call parser is `tool_call_parser` when given, else picked from the model
     (model_type, then the chat template; see serve/output_parsers.py); the chat format
-    (harmony, a reasoning parser) likewise from `reasoning_parser` (serve/chat_format.py).
-    A ValueError names the flag that cannot work with this model.
+    (harmony, a reasoning parser) likewise from `reasoning_parser` (serve/chat_format.py); a
+    ValueError names the flag that cannot work with this model. `sampling_defaults` None reads
+    the model folder's generation_config.json (`--generation-config auto`).
     """
     from torch_runner import SamplingParams
     from torch_runner.serve.chat_format import select_chat_format
@@ -78,6 +84,8 @@ def serving_state(
     template = chat_template or getattr(engine.tokenizer, "chat_template", None)
     parser = tool_call_parser or default_tool_parser_name(model_type, template)
     chat_format = select_chat_format(engine.tokenizer, model_type, reasoning_parser, template)
+    if sampling_defaults is None:
+        sampling_defaults = load_sampling_defaults("auto", engine.model_path, SamplingParams)
     return ServingState(
         engine=async_engine,
         tokenizer=engine.tokenizer,
@@ -92,6 +100,8 @@ def serving_state(
         tool_parser_name=parser,
         chat_format=chat_format,
         max_choices=max_choices,
+        sampling_defaults=sampling_defaults,
+        eos_token_ids=frozenset(getattr(engine, "eos_token_ids", ())),
     )
 
 
@@ -113,7 +123,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(args: argparse.Namespace, config: Any) -> None:
+def run_server(
+    args: argparse.Namespace, config: Any, sampling_defaults: SamplingDefaults | None = None
+) -> None:
     """Bind the port, load the engine (after the CLI's MLX gate), print the banner, serve until
     SIGTERM/SIGINT, then drain (serve/drain.py) and exit 0."""
     import uvicorn
@@ -144,6 +156,7 @@ def run_server(args: argparse.Namespace, config: Any) -> None:
                 tool_call_parser=args.tool_call_parser,
                 max_choices=args.max_choices_per_request,
                 reasoning_parser=args.reasoning_parser,
+                sampling_defaults=sampling_defaults,
             )
         except ValueError as exc:  # a --reasoning-parser this model cannot use
             print(f"error: {exc}", file=sys.stderr)

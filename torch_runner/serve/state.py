@@ -10,10 +10,12 @@ from torch_runner.serve.chat_format import ChatFormat
 from torch_runner.serve.drain import Drain
 from torch_runner.serve.errors import AuthenticationError, InvalidRequestError, NotFoundError
 from torch_runner.serve.generation import Choice
+from torch_runner.serve.generation_defaults import SamplingDefaults
 from torch_runner.serve.logprobs import TokenTable
 from torch_runner.serve.metrics import ChoiceTracker, ServerMetrics
 from torch_runner.serve.offload import WorkerPool, warm_grammar
 from torch_runner.serve.params import expand_choices
+from torch_runner.serve.protocol import ModelCard
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MODEL_ALIAS = "default"
@@ -33,6 +35,8 @@ class ServingState:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_choices: int = DEFAULT_MAX_CHOICES
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    eos_token_ids: frozenset[int] = frozenset()  # end-of-turn ids: never part of a message
     model_type: str | None = None  # config.json's, for picking output parsers
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's
     tool_parser_name: str = "hermes"  # the `auto` tool-call parser (vLLM's names)
@@ -68,6 +72,14 @@ class ServingState:
                 code="model_not_found",
             )
 
+    def model_card(self, name: str | None = None) -> ModelCard:
+        return ModelCard(
+            id=name or self.model_name,
+            root=self.model_name,
+            max_model_len=self.max_model_len,
+            sampling_defaults=dict(self.sampling_defaults.values),
+        )
+
     def check_api_key(self, authorization: str | None) -> None:
         """With --api-key, `/v1/*` needs `Authorization: Bearer <key>` (constant-time compare)."""
         if self.api_key is None:
@@ -99,6 +111,8 @@ class ServingState:
                 param="n" if n > 1 else "prompt",
                 code="too_many_choices",
             )
+        # generation_config.json defaults fill what the request left unset (fields omits those)
+        fields = {**self.sampling_defaults.values, **fields}
         params = expand_choices(self.params_cls, fields, n, seed, param_names)
         warm_grammar(self.tokenizer, self.vocab_size, fields.get("structured"))
         choices = []

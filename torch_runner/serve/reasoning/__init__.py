@@ -22,12 +22,15 @@ def new_reasoning_parser(
     prompt_text: str = "",
     harmony_encoding: Any = None,
     stop: list[str] | None = None,
+    include_stop_str: bool = False,
 ) -> OutputParser:
     """A fresh parser for one choice. `prompt_text`: the rendered prompt (did it open `<think>`?);
     the harmony parser takes the encoding (or loads it from the model's `tokenizer`) and the
     request's `stop` strings (it reads tokens, which the engine's text cut does not reach)."""
     if name == HARMONY_PARSER:
-        return HarmonyParser(tokenizer, encoding=harmony_encoding, stop=stop)
+        return HarmonyParser(
+            tokenizer, encoding=harmony_encoding, stop=stop, include_stop_str=include_stop_str
+        )
     if name not in THINK_PARSERS:
         raise ValueError(
             f"unknown reasoning parser {name!r}; allowed: {', '.join(REASONING_PARSERS)}"

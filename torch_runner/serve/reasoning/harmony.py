@@ -39,15 +39,22 @@ def new_call_id() -> str:
 @register_tool_parser("openai")  # vLLM's tool-call parser name for gpt-oss; one parser does both
 class HarmonyParser:
     """One per choice, over openai-harmony's gpt-oss encoding: given, or loaded (once) from the
-    model's `tokenizer` (see harmony_encoding.py). `stop`: the request's stop strings."""
+        model's `tokenizer` (see harmony_encoding.py). `stop`: the request's stop strings, cut off
+    unless `include_stop_str`."""
 
     def __init__(
-        self, tokenizer: Any = None, *, encoding: Any = None, stop: list[str] | None = None
+        self,
+        tokenizer: Any = None,
+        *,
+        encoding: Any = None,
+        stop: list[str] | None = None,
+        include_stop_str: bool = False,
     ):
         import openai_harmony as harmony
 
         self.encoding = encoding if encoding is not None else load_harmony_encoding(tokenizer)
         self.stops = list(stop or [])
+        self.include_stop_str = include_stop_str  # vLLM's include_stop_str_in_output
         self.structure_ids = {
             t for name in STRUCTURE for t in self.encoding.encode(name, allowed_special="all")
         }
@@ -79,7 +86,9 @@ class HarmonyParser:
         return delta
 
     def parse(self, text: str, token_ids: list[int]) -> ParsedMessage:
-        parser = HarmonyParser(encoding=self.encoding, stop=self.stops)
+        parser = HarmonyParser(
+            encoding=self.encoding, stop=self.stops, include_stop_str=self.include_stop_str
+        )
         return accumulate([parser.feed(text, token_ids), parser.finish()])
 
     def _process(self, token_id: int, delta: DeltaMessage) -> None:
@@ -142,13 +151,15 @@ class HarmonyParser:
 
     def _cut(self, text: str, sent: int, is_final: bool) -> int:
         """How far `text` may be sent: up to a stop string (then stop), or all but a tail that
-        could still grow into one."""
+        could still grow into one; nothing more once stopped."""
+        if self.is_stopped:
+            return sent
         if not self.stops:
             return len(text)
         found = find_stop(text, self.stops, sent - max(map(len, self.stops)) + 1)
         if found is not None:
             self.is_stopped = True
-            return found[0]
+            return found[0] + (len(found[1]) if self.include_stop_str else 0)
         return len(text) if is_final else len(text) - holdback_length(text, self.stops)
 
     def _release(self, delta: DeltaMessage, is_final: bool) -> None:

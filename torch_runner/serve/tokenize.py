@@ -1,0 +1,88 @@
+"""POST /tokenize and POST /detokenize, as vLLM serves them.
+
+/tokenize takes a `prompt` (special tokens added by default, as /v1/completions does) or chat
+`messages` (rendered by the chat template, which writes its own special tokens, so none are
+added by default) and answers `tokens`, `count`, `max_model_len` (and `token_strs` when
+`return_token_strs`). /detokenize takes `tokens` and answers `prompt`, the decoded text with
+special tokens kept. Both go through the same tokenizer and chat template as generation, so a
+count here is the count a request will be charged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from torch_runner.serve.errors import InvalidRequestError
+from torch_runner.serve.params import check_continuation, check_message_fields
+from torch_runner.serve.prompts import chat_prompt
+from torch_runner.serve.protocol import ChatMessage
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = Field(None, description="Text to tokenize (or send messages).")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="Chat messages, rendered by the chat template."
+    )
+    add_special_tokens: bool | None = Field(
+        None, description="Default: true for a prompt, false for messages (the template adds them)."
+    )
+    add_generation_prompt: bool = Field(True, description="messages only.")
+    continue_final_message: bool = Field(False, description="messages only.")
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def tokenize(state: Any, body: TokenizeRequest) -> TokenizeResponse:
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
+    if body.messages is not None:
+        for i, message in enumerate(body.messages):
+            check_message_fields(i, message)
+        check_continuation(body)
+        tokens = chat_prompt(
+            state.tokenizer,
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            add_special_tokens=bool(body.add_special_tokens),
+        )
+    else:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = list(state.tokenizer.encode(body.prompt, add_special_tokens=add_special))
+    strs = state.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=state.max_model_len, tokens=tokens, token_strs=strs
+    )
+
+
+def detokenize(state: Any, body: DetokenizeRequest) -> DetokenizeResponse:
+    state.check_model(body.model)
+    bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token id {bad[0]} is out of range [0, {state.vocab_size})", param="tokens"
+        )
+    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))
