@@ -270,6 +270,7 @@ def test_reasoning_effort_in_chat_template_kwargs_reaches_harmony(gptoss, harmon
     [
         ("reasoning_effort", "minimal", "low, medium, high"),
         ("chat_template_kwargs", {"enable_thinking": False}, "allowed: reasoning_effort"),
+        ("add_generation_prompt", False, "always opens a new assistant turn"),
     ],
 )
 def test_harmony_bad_input_names_the_field(gptoss, field, value, allowed):
