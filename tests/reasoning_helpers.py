@@ -57,3 +57,12 @@ def stream_message(client, **request):
                 call["arguments"] += piece.function.arguments or ""
             finish = choice.finish_reason or finish
     return content or None, reasoning or None, [calls[i] for i in sorted(calls)], finish
+
+
+def tokenize(client, **body) -> dict:
+    """POST /tokenize (vLLM's, beside /v1) on the client's server."""
+    import httpx
+
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    return httpx.post(f"{base}/tokenize", json=body, headers=headers, timeout=60).json()

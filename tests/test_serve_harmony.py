@@ -17,7 +17,7 @@ import openai
 import openai_harmony as harmony
 import pytest
 from harmony_tokenizer import save_harmony_tokenizer
-from reasoning_helpers import USER, WORDS_RE, start, stream_message
+from reasoning_helpers import USER, WORDS_RE, start, stream_message, tokenize
 from serve_fixtures import MODEL_NAME
 from tiny_models import build_tiny_model
 
@@ -358,3 +358,16 @@ def test_harmony_tool_result_without_its_call_is_a_400(gptoss):
         client.chat.completions.create(model=MODEL_NAME, messages=orphan, tools=TOOLS, max_tokens=1)
     assert info.value.body["param"] == "messages.1.tool_call_id"
     assert "call_9" in info.value.body["message"]
+
+
+def test_tokenize_counts_the_harmony_prompt_a_chat_request_gets(gptoss):
+    client, spy = gptoss
+    client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=1)
+    assert tokenize(client, messages=USER)["tokens"] == spy.prompts[-1]
+    low = tokenize(client, messages=USER, chat_template_kwargs={"reasoning_effort": "low"})
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=1, reasoning_effort="low"
+    )
+    assert low["tokens"] == spy.prompts[-1]
+    refused = tokenize(client, messages=USER, chat_template_kwargs={"enable_thinking": False})
+    assert refused["error"]["param"] == "chat_template_kwargs"

@@ -11,7 +11,7 @@ import re
 
 import openai
 import pytest
-from reasoning_helpers import USER, WORDS_RE, start, stream_message
+from reasoning_helpers import USER, WORDS_RE, start, stream_message, tokenize
 from serve_fixtures import MODEL_NAME
 from tiny_models import build_tiny_model
 
@@ -160,3 +160,17 @@ def test_history_reasoning_content_reaches_the_template(qwen3):
     oracle = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(spy.prompts[-1]) == oracle
     assert "<think>Recall the forecast.</think>sunny" in oracle
+
+
+def test_tokenize_applies_chat_template_kwargs(qwen3):
+    client, spy, tokenizer = qwen3
+    kwargs = {"enable_thinking": False}
+    counted = tokenize(client, messages=USER, chat_template_kwargs=kwargs)["tokens"]
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=1, extra_body={"chat_template_kwargs": kwargs}
+    )
+    assert counted == spy.prompts[-1]
+    oracle = tokenizer.apply_chat_template(
+        USER, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert tokenizer.decode(counted) == oracle

@@ -15,7 +15,11 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from torch_runner.serve.chat_format import check_template_kwargs
+from torch_runner.serve.chat_format import (
+    check_template_kwargs,
+    continuation_field,
+    harmony_effort,
+)
 from torch_runner.serve.errors import InvalidRequestError, param_error
 from torch_runner.serve.generation import (
     Choice,
@@ -130,23 +134,9 @@ def _render_prompt(
 def _harmony_prompt(
     state: ServingState, body: ChatCompletionRequest, plan: ToolPlan, template_kwargs: dict
 ) -> list[int]:
-    """gpt-oss: openai-harmony renders the prompt. Of chat_template_kwargs only reasoning_effort
-    applies (vLLM users pass it there too); anything else has no template to reach."""
-    if body.continue_final_message or not body.add_generation_prompt:
-        param = "continue_final_message" if body.continue_final_message else "add_generation_prompt"
-        raise InvalidRequestError(
-            f"{param} is not supported for gpt-oss: openai-harmony renders its prompt and always "
-            "opens a new assistant turn",
-            param=param,
-        )
-    effort = body.reasoning_effort or template_kwargs.pop("reasoning_effort", None)
-    if template_kwargs:
-        raise InvalidRequestError(
-            f"chat_template_kwargs {', '.join(sorted(template_kwargs))} do not apply to gpt-oss: "
-            "its prompt is rendered by openai-harmony, not a chat template (allowed: "
-            "reasoning_effort)",
-            param="chat_template_kwargs",
-        )
+    """gpt-oss: openai-harmony renders the prompt (see harmony_effort for what it accepts)."""
+    continuation = continuation_field(body.add_generation_prompt, body.continue_final_message)
+    effort = harmony_effort(template_kwargs, body.reasoning_effort, continuation)
     try:
         return render_harmony_prompt(
             state.chat_format.harmony_encoding, message_dicts(body.messages), plan.offered, effort

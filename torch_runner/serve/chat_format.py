@@ -104,3 +104,33 @@ def select_chat_format(
     return ChatFormat(
         reasoning_parser=HARMONY_PARSER, harmony_encoding=encoding, stop_token_ids=stops
     )
+
+
+def continuation_field(add_generation_prompt: bool, continue_final_message: bool) -> str | None:
+    """The field that asks not to open a new assistant turn, if any."""
+    if continue_final_message:
+        return "continue_final_message"
+    return None if add_generation_prompt else "add_generation_prompt"
+
+
+def harmony_effort(
+    template_kwargs: dict[str, Any], reasoning_effort: str | None, continuation: str | None
+) -> str | None:
+    """gpt-oss has no chat template: of chat_template_kwargs only reasoning_effort applies (vLLM
+    users pass it there too), and openai-harmony always opens a new assistant turn
+    (`continuation`: the field that asked otherwise, see continuation_field)."""
+    if continuation is not None:
+        raise InvalidRequestError(
+            f"{continuation} is not supported for gpt-oss: openai-harmony renders its prompt and "
+            "always opens a new assistant turn",
+            param=continuation,
+        )
+    effort = reasoning_effort or template_kwargs.pop("reasoning_effort", None)
+    if template_kwargs:
+        raise InvalidRequestError(
+            f"chat_template_kwargs {', '.join(sorted(template_kwargs))} do not apply to gpt-oss: "
+            "its prompt is rendered by openai-harmony, not a chat template (allowed: "
+            "reasoning_effort)",
+            param="chat_template_kwargs",
+        )
+    return effort
