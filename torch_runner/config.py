@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALLOWED_WEIGHT_PACKING = ("auto", "off")
+ALLOWED_SWA_KV = ("auto", "windowed", "paged")
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
@@ -52,6 +53,9 @@ class EngineConfig:
     weight_packing: str = "auto"  # auto: oneDNN-packed matmul weights on CPU; off: dense
     enforce_eager: bool = False  # True: never capture CUDA graphs for decode
     cuda_graph_max_bs: int = 64  # decode batches above this size run eagerly
+    # sliding-window KV: "windowed" per-request buffers (least memory), "paged" in the pool with
+    # the full layers (CUDA graphs need it), "auto" = paged on CUDA, windowed elsewhere
+    swa_kv: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):  # pathlib.Path is as good as a string
@@ -84,6 +88,10 @@ class EngineConfig:
             raise ValueError(
                 f"weight_packing={self.weight_packing!r} is invalid; allowed values: "
                 f"{', '.join(ALLOWED_WEIGHT_PACKING)}"
+            )
+        if self.swa_kv not in ALLOWED_SWA_KV:
+            raise ValueError(
+                f"swa_kv={self.swa_kv!r} is invalid; allowed values: {', '.join(ALLOWED_SWA_KV)}"
             )
         if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, int | float):
             raise ValueError(

@@ -134,7 +134,8 @@ class Engine:
     def _num_blocks(self, config: EngineConfig) -> int:
         bs = config.block_size
         most = config.max_num_seqs * self.max_model_len
-        per_token = ModelRunner.kv_bytes_per_token(self.args, self.dtype)
+        paged = ModelRunner.pages_windows(config, self.device)
+        per_token = ModelRunner.kv_bytes_per_token(self.args, self.dtype, paged)
         if config.max_total_tokens is not None:
             tokens = config.max_total_tokens
         elif per_token == 0:
@@ -144,13 +145,15 @@ class Engine:
             tokens = min(most, int(free * config.mem_fraction) // per_token)
         num_blocks = max(1, tokens // bs)
         logger.info(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token over %d full-attention layers)",
+            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token over %d pool layers)",
             num_blocks,
             bs,
             num_blocks * bs,
             num_blocks * bs * per_token / 2**20,
             per_token,
-            sum(t != "sliding_attention" for t in self.args.layer_types),
+            len(self.args.layer_types)
+            if paged
+            else sum(t != "sliding_attention" for t in self.args.layer_types),
         )
         return num_blocks
 

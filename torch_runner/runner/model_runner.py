@@ -107,7 +107,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.deterministic = config.enable_deterministic_inference
         self.vocab_size = self.args.vocab_size
-        self.layout = CacheLayout(tuple(self.args.layer_types), self.args.sliding_window)
+        self.layout = CacheLayout(
+            tuple(self.args.layer_types),
+            self.args.sliding_window,
+            page_windows=self.pages_windows(config, device),
+        )
         self.full_layers = self.layout.full_layers
         self.swa_layers = self.layout.swa_layers
         self.pool = PagedKVPool(
@@ -123,7 +127,7 @@ class ModelRunner:
         self.swa_caches: dict[str, list[WindowedKVCache]] = {}
         # pure-decode groups replay a CUDA graph (None: eager; see cuda_graphs.py)
         self.decode_graphs = DecodeGraphs.for_runner(
-            self.model, self.args, self.pool, self.full_layers, config, device
+            self.model, self.layout, self.pool, config, device
         )
         # CPU decode steps skip module dispatch (cpu_decode.py); the same ops and values
         self.fast_decode = None
@@ -133,8 +137,15 @@ class ModelRunner:
         self.generator.manual_seed(config.random_seed)
 
     @staticmethod
-    def kv_bytes_per_token(args, dtype: torch.dtype) -> int:
-        layout = CacheLayout(tuple(args.layer_types), args.sliding_window)
+    def pages_windows(config, device: torch.device) -> bool:
+        """SWA layers in the pool (config.swa_kv; "auto": on CUDA, where graphs need it)."""
+        if config.swa_kv == "auto":
+            return torch.device(device).type == "cuda"
+        return config.swa_kv == "paged"
+
+    @staticmethod
+    def kv_bytes_per_token(args, dtype: torch.dtype, page_windows: bool = False) -> int:
+        layout = CacheLayout(tuple(args.layer_types), args.sliding_window, page_windows)
         return PagedKVPool.bytes_per_token(
             len(layout.full_layers), args.num_key_value_heads, args.head_dim, dtype
         )
@@ -205,6 +216,14 @@ class ModelRunner:
             return self.fast_decode(input_ids, positions, caches)
         return self.model(input_ids, positions, caches)
 
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 [len(values)] on the device without blocking the host: `torch.tensor(list,
+        device=cuda)` waits for the copy, and so for the forward queued before it."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], grammar_rows=None) -> StepResult:
         """Run the step's chunks; sample one token for every chunk that reaches its end.
@@ -215,12 +234,12 @@ class ModelRunner:
         for group in group_chunks(chunks):
             hidden = self._forward_group(group)  # [B, N, H]
             rows = [i for i, c in enumerate(group) if c.is_sampled]
-            if rows:
+            if rows and len(rows) == len(group) and hidden.shape[1] == 1:
+                hidden_rows.append(hidden[:, 0])  # a decode group: every row, no index
+                sampled.extend(group)
+            elif rows:
                 last = [group[i].num_tokens - 1 for i in rows]
-                index = (
-                    torch.tensor(rows, device=self.device),
-                    torch.tensor(last, device=self.device),
-                )
+                index = (self._to_device(rows), self._to_device(last))
                 hidden_rows.append(hidden[index])  # [M, H]
                 sampled.extend(group[i] for i in rows)
         if not sampled:
@@ -240,9 +259,7 @@ class ModelRunner:
             deterministic=self.deterministic,
             eos_token_ids=self.eos_token_ids,
         )
-        positions = torch.tensor(
-            [s.num_tokens - 1 for s in seqs], dtype=torch.int64, device=self.device
-        )
+        positions = self._to_device([s.num_tokens - 1 for s in seqs])
         logits = logits[:, : self.vocab_size]
         out = ops.sample(logits, batch, positions, self.generator)
         # a row whose raw logits hold NaN/inf gets token -1 (the engine ends that request with

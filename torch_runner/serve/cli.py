@@ -47,6 +47,7 @@ def engine_config(args: argparse.Namespace):
         weight_packing=args.weight_packing,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        swa_kv=args.swa_kv,
     )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from models.loader import LOAD_FORMATS
-from torch_runner.config import ALLOWED_DTYPES
+from torch_runner.config import ALLOWED_DTYPES, ALLOWED_SWA_KV
 from torch_runner.serve.drain import DEFAULT_SHUTDOWN_TIMEOUT
 from torch_runner.serve.flag_actions import Adder, FlagConflict, adder, flag_const
 from torch_runner.serve.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES
@@ -286,6 +286,13 @@ def memory_flags(add: Adder, d: dict[str, Any]) -> None:
         type=int,
         default=d["max_total_tokens"],
         help="KV pool size in tokens (overrides --mem-fraction).",
+    )
+    add(
+        "--swa-kv",
+        choices=ALLOWED_SWA_KV,
+        default=d["swa_kv"],
+        help="Sliding-window KV: windowed per-request buffers (least memory), paged in the pool "
+        "(CUDA graphs need it), auto = paged on CUDA. Default: %(default)s.",
     )
 
 
