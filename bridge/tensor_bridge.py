@@ -49,19 +49,25 @@ class MlxTensorView:
 
     Holding the torch tensor too matters: where the import is zero-copy the MLX array reads
     torch's storage, which must not be freed while the view lives. Meant for immutable weights;
-    `matches(t)` tells whether `t` is still the tensor this view was built from (a replaced or
-    reallocated weight changes its data_ptr, shape, stride, dtype or device).
+    `matches(t)` is True only while the MLX array still holds `t`'s current values: the same
+    storage, layout and type (a replaced or reallocated weight changes its data_ptr, shape,
+    stride, dtype or device) and, where the import copied, no in-place write since (torch's
+    version counter, shared by views and `detach()`, counts every in-place op; a tensor that
+    has none, an inference tensor, can never be proven unchanged, so a copy of it never matches).
+    Writes through `.data` bypass the counter: replace a weight instead (see docs/bridge.md).
     """
 
-    __slots__ = ("tensor", "array", "is_zero_copy")
+    __slots__ = ("tensor", "array", "is_zero_copy", "version")
 
     def __init__(self, tensor: torch.Tensor, array, is_zero_copy: bool):
         self.tensor = tensor  # detached; shares storage with the source
         self.array = array
         self.is_zero_copy = is_zero_copy
+        self.version = _version_of(tensor)
 
     def matches(self, t: torch.Tensor) -> bool:
-        """True when `t` is the same storage, layout and type this view was built from."""
+        """True when MLX sees `t`'s current values: same storage, layout, type and, for a copy,
+        the same version (no in-place write since the copy was taken)."""
         return (
             isinstance(t, torch.Tensor)
             and t.device == self.tensor.device
@@ -69,12 +75,21 @@ class MlxTensorView:
             and t.shape == self.tensor.shape
             and t.stride() == self.tensor.stride()
             and t.data_ptr() == self.tensor.data_ptr()
+            and (self.is_zero_copy or (self.version is not None and _version_of(t) == self.version))
         )
 
     def __repr__(self) -> str:
         t = self.tensor
         mode = "zero-copy" if self.is_zero_copy else "copy"
         return f"MlxTensorView(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}, {mode})"
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """torch's in-place write counter of `t`, or None for an inference tensor (it has none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def borrow_torch_tensors(

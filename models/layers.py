@@ -151,12 +151,16 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope(q), rope(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, N, D]
-        layout = None
-        if cache is not None:
-            k, v, layout = cache.update_and_fetch(k, v)  # [B, Hkv, S, D]
-        out = ops.attention(
-            q, k, v, positions, layout, sm_scale=self.scale, sinks=self.sinks, window=self.window
-        )  # [B, Hq, N, D]
+        attend = getattr(cache, "attend", None)  # a paged cache may attend from its pool
+        if attend is not None:
+            out = attend(q, k, v, positions, sm_scale=self.scale, sinks=self.sinks,
+                         window=self.window)  # fmt: skip
+        else:
+            layout = None
+            if cache is not None:
+                k, v, layout = cache.update_and_fetch(k, v)  # [B, Hkv, S, D]
+            out = ops.attention(q, k, v, positions, layout, sm_scale=self.scale,
+                                sinks=self.sinks, window=self.window)  # fmt: skip
         out = out.transpose(1, 2).reshape(b, n, -1)  # [B, N, Hq * D]
         return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 

@@ -1,11 +1,12 @@
 """Load a Hugging Face model folder into a family `Model`, failing early with a clear message.
 
 Order matters: every check that can fail (path, config.json, model_type, required fields,
-checkpoint files, tensor names and shapes) runs before a single weight is copied, so a broken
+checkpoint files, tensor names, shapes and dtypes) runs before a single weight is copied, so a broken
 folder is reported in one line before the server starts. The model is built on the `meta`
 device (no memory, no init), then filled with `load_state_dict(..., assign=True)` from
 memory-mapped safetensors: on CPU in the checkpoint dtype the parameters *are* the mapped file
-pages, and nothing is ever unpickled.
+pages, and nothing is ever unpickled. Each tensor is checked finite after its cast
+(models/weight_checks.py), so a NaN checkpoint never reaches the server.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from bridge import resolve_device
-from models import safetensors_io
+from models import safetensors_io, weight_checks
 from models.errors import ModelLoadError
 from models.layers import fuse_projections
 from models.quantize import QUANTIZATIONS, quantize_linears
@@ -109,12 +110,14 @@ def load_model(
     with torch.device("meta"):
         model = family.Model(args)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected_dtypes = {name: t.dtype for name, t in model.state_dict().items()}
     if load_format == "dummy":
         norm_value = getattr(family, "DUMMY_NORM_WEIGHT", 1.0)  # Gemma stores norms as 1 + w
         weights = dummy_weights(expected, target_dtype, torch_device, norm_value=norm_value)
     else:
         weights = _checkpoint_weights(family, args, files, path)
         check_weights(expected, weights)
+        weight_checks.check_dtypes(expected_dtypes, weights)
     state = {}
     for name, tensor in tqdm(
         weights.items(), desc=f"Loading {path.name}", unit="tensor", disable=None
@@ -123,6 +126,8 @@ def load_model(
         state[name] = tensor.to(
             device=torch_device, dtype=target_dtype if is_float else tensor.dtype
         )
+        if load_format != "dummy":  # after the cast: an fp32 value past fp16's range is inf now
+            weight_checks.check_finite(name, state[name])
     model.load_state_dict(state, strict=True, assign=True)
     model.to(torch_device)  # the non-persistent rope tables were built on CPU
     model.eval().requires_grad_(False)

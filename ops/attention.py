@@ -20,10 +20,16 @@ Fast paths (measured in tools/bench_ops.py, see docs/perf_sections/ops.md):
 - a sliding window over a long causal tail (N >= 2W, S >= 4W): blocks of W queries against
   their 2W keys in one batched kernel call, N x 2W scores instead of N x S (5x faster for a
   2048-token gpt-oss prefill, W = 128).
+- CUDA: SDPA never picks cuDNN, whose kernels build an execution plan for every new key length
+  (31-47 ms of host time each, measured on an H200: every prefill chunk and mixed step paid
+  it); flash and memory-efficient kernels are compiled templates. A causal tail in fp16/bf16
+  (one request's prefill chunk) goes to the flash kernel directly: bottom-right causal, GQA and
+  the sliding window natively, and its log-sum-exp makes sinks the same rescale as on CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -199,6 +205,8 @@ def attention(
     else:
         mask = layout.mask(q_positions, num_keys, window, mask_dtype)
     is_tail = layout is None or layout.is_causal_tail
+    if is_tail and q.is_cuda and flash_tail_ok(q, sinks, window, n, num_keys):
+        return _flash_tail(q, k, v, window, sm_scale, sinks)
     if is_tail and window is not None and n >= 2 * window and num_keys >= 4 * window:
         return _banded(q, k, v, window, sm_scale, sinks, is_cpu_flash)
     return _sdpa(q, k, v, mask, is_causal, sm_scale, sinks, is_cpu_flash)
@@ -213,11 +221,51 @@ def _sdpa(q, k, v, mask, is_causal, sm_scale, sinks, is_cpu_flash):
         keep = torch.sigmoid(lse - sinks.float()[None, :, None])  # [B, Hq, N] fp32
         return (out * keep[..., None]).to(q.dtype)
     is_gqa = q.shape[1] != k.shape[1]
+    with _no_cudnn() if q.is_cuda else _NO_CONTEXT:
+        if sinks is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal, scale=sm_scale, enable_gqa=is_gqa
+            )
+        return _attention_with_sinks(q, k, v, mask, is_causal, sm_scale, sinks, is_gqa)
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def _no_cudnn():
+    """SDPA on CUDA without the cuDNN backend (a plan build per new shape; module docstring)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(backends)
+
+
+def flash_tail_ok(q, sinks, window, n: int, num_keys: int) -> bool:
+    """The flash kernel takes this causal tail: fp16/bf16, head dim a multiple of 8 up to 256,
+    and something for it to do that fused SDPA cannot (sinks, or a window that binds)."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[3] % 8 or q.shape[3] > 256:
+        return False
+    binds = window is not None and num_keys > window
+    return (sinks is not None or binds) and _FLASH_FORWARD is not None and n <= num_keys
+
+
+# the flash-attention-2 forward SDPA uses: [B, N, H, D] inputs, (out, lse [B, H, N], ...)
+_FLASH_FORWARD = getattr(torch.ops.aten, "_flash_attention_forward", None)
+
+
+def _flash_tail(q, k, v, window, sm_scale, sinks):
+    """Queries are the last N of S keys: bottom-right causal, window and GQA in the kernel."""
+    n, s = q.shape[2], k.shape[2]
+    left = -1 if window is None else window - 1  # a window includes the current token
+    out, lse = _FLASH_FORWARD(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, n, s, 0.0, True,
+        False, scale=sm_scale, window_size_left=left, window_size_right=0,
+    )[:2]  # fmt: skip
+    out = out.transpose(1, 2)  # [B, Hq, N, D]
     if sinks is None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=sm_scale, enable_gqa=is_gqa
-        )
-    return _attention_with_sinks(q, k, v, mask, is_causal, sm_scale, sinks, is_gqa)
+        return out
+    keep = torch.sigmoid(lse - sinks.float()[None, :, None])  # [B, Hq, N] fp32
+    return (out * keep[..., None]).to(q.dtype)
 
 
 def _banded(q, k, v, window, sm_scale, sinks, is_cpu_flash):

@@ -6,23 +6,33 @@ exactly transformers 5.24's parameters:
   [E, 2I], down_proj [E, I, H], down_proj_bias [E, H]; router weight [E, H], bias [E].
 - Qwen3MoeExperts: gate_up_proj [E, 2I, H] (gate = first I rows), down_proj [E, H, I]; router
   (`mlp.gate.weight`) [E, H].
-Compute is grouped per hit expert (one matmul per expert over the tokens routed to it), which
-reads each needed expert's weights once per step: the right shape for decode, where a token
-touches top_k of E experts.
+Each family routes (router logits -> top-k ids and weights) and then runs its experts through
+one of two formulations with the same maths:
+- `_looped_experts` (CPU, the reference): one matmul per hit expert over the tokens routed to
+  it. It reads each needed expert once, but finding the hit experts reads counts on the host.
+- `_grouped_experts` (CUDA, bf16): token/expert pairs sorted by expert, two
+  `torch._grouped_mm` calls over row offsets that stay on the device. No host sync, fixed
+  shapes for a given token count, so a decode step with MoE layers can be captured in a CUDA
+  graph. Other CUDA dtypes take `_dense_experts` (every expert on every token, also sync-free).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ops.quant.mxfp4 import Mxfp4Experts, moe_gpt_oss_mxfp4
 
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
 
 def _route_groups(top_idx: torch.Tensor, num_experts: int):
     """Yield (expert, token rows, slot in top-k) for each expert hit this step."""
     flat = top_idx.reshape(-1)  # [T * k]
     order = torch.argsort(flat, stable=True)
+    # host sync on purpose: the loop below needs the hit experts (CPU path only)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     k = top_idx.shape[1]
     start = 0
@@ -32,6 +42,77 @@ def _route_groups(top_idx: torch.Tensor, num_experts: int):
         sel = order[start : start + count]
         start += count
         yield expert, sel // k, sel % k
+
+
+def _looped_experts(x, top_idx, scores, w_in, b_in, w_out, b_out, act, *, transposed: bool):
+    """Reference: per hit expert, act(x W_in + b_in) W_out + b_out, scaled and summed.
+
+    w_in [E, H, 2I] ([E, 2I, H] when `transposed`, HF's F.linear layout), w_out likewise."""
+    out = torch.zeros_like(x)
+    for expert, rows, slots in _route_groups(top_idx, w_in.shape[0]):
+        if transposed:
+            h = act(F.linear(x[rows], w_in[expert]))  # [t, I]
+            y = F.linear(h, w_out[expert])  # [t, H]
+        else:
+            h = act(x[rows] @ w_in[expert] + b_in[expert])
+            y = h @ w_out[expert] + b_out[expert]
+        out.index_add_(0, rows, (y * scores[rows, slots, None]).to(x.dtype))
+    return out
+
+
+def _grouped_experts(x, top_idx, scores, w_in, b_in, w_out, b_out, act, *, transposed: bool):
+    """The same sum as `_looped_experts` with no host sync (see the module docstring)."""
+    t, k = top_idx.shape
+    num_experts = w_in.shape[0]
+    flat = top_idx.reshape(-1)  # [T * k]
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat.to(torch.int32), torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each group
+    experts = flat[order]  # [T * k] expert of each sorted pair
+    if transposed:  # HF F.linear layout [E, out, in] -> [E, in, out] views (column-major)
+        w_in, w_out = w_in.transpose(1, 2), w_out.transpose(1, 2)
+    h = torch._grouped_mm(x[order // k], w_in, offs=offsets)  # [T * k, 2I]
+    if b_in is not None:
+        h = h + b_in[experts]
+    y = torch._grouped_mm(act(h).to(x.dtype), w_out, offs=offsets)  # [T * k, H]
+    if b_out is not None:
+        y = y + b_out[experts]
+    y = y * scores.reshape(-1)[order, None]
+    pairs = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, slot) order
+    return pairs.view(t, k, -1).sum(dim=1).to(x.dtype)  # [T, H], fixed summation order
+
+
+def _dense_experts(x, top_idx, scores, w_in, b_in, w_out, b_out, act, *, transposed: bool):
+    """Every expert on every token, weighted by the routing (zero off the top-k): E/k times the
+    FLOPs, no host sync. For CUDA dtypes the grouped GEMM does not take in a capturable way
+    (its fp32 fallback reads the offsets on the host): fp32 tests and small models."""
+    t, e = x.shape[0], w_in.shape[0]
+    if transposed:
+        w_in, w_out = w_in.transpose(1, 2), w_out.transpose(1, 2)
+    h = torch.matmul(x[None], w_in)  # [E, T, 2I]
+    if b_in is not None:
+        h = h + b_in[:, None]
+    h = act(h.reshape(e * t, -1)).view(e, t, -1)  # [E, T, I]
+    y = torch.matmul(h, w_out)  # [E, T, H]
+    if b_out is not None:
+        y = y + b_out[:, None]
+    weights = torch.zeros(t, e, dtype=y.dtype, device=x.device)
+    weights.scatter_(1, top_idx, scores.to(y.dtype))  # [T, E], zero off the top-k
+    return torch.einsum("te,eth->th", weights, y).to(x.dtype)
+
+
+def _experts_for(x: torch.Tensor) -> Callable:
+    """The formulation for x: grouped GEMMs for bf16 on CUDA, every expert densely for other
+    CUDA dtypes, the reference loop elsewhere."""
+    if not x.is_cuda:
+        return _looped_experts
+    return _grouped_experts if HAS_GROUPED_MM and x.dtype == torch.bfloat16 else _dense_experts
+
+
+def is_capturable(device: torch.device) -> bool:
+    """True when the MoE ops run without a host sync on `device` (CUDA-graph safe)."""
+    return torch.device(device).type == "cuda"
 
 
 def check_tokens(name: str, x: torch.Tensor, top_k: int, num_experts: int) -> None:
@@ -69,15 +150,15 @@ def moe_gpt_oss(
     logits = F.linear(x, router_weight, router_bias)  # [T, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
     scores = torch.softmax(top_val, dim=-1)
-    out = torch.zeros_like(x)
-    for expert, rows, slots in _route_groups(top_idx, router_weight.shape[0]):
-        h = x[rows] @ gate_up_proj[expert] + gate_up_proj_bias[expert]  # [t, 2I]
+
+    def act(h: torch.Tensor) -> torch.Tensor:  # [t, 2I] -> [t, I]
         gate = h[:, ::2].clamp(max=limit)
         up = h[:, 1::2].clamp(min=-limit, max=limit)
-        h = (up + 1) * (gate * torch.sigmoid(gate * alpha))  # [t, I]
-        y = h @ down_proj[expert] + down_proj_bias[expert]  # [t, H]
-        out.index_add_(0, rows, (y * scores[rows, slots, None]).to(x.dtype))
-    return out
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    run = _experts_for(x)
+    return run(x, top_idx, scores, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
+               act, transposed=False)  # fmt: skip
 
 
 def moe_qwen3(
@@ -99,10 +180,9 @@ def moe_qwen3(
         top_val = top_val / top_val.sum(dim=-1, keepdim=True)
     scores = top_val.to(logits.dtype)
     inter = down_proj.shape[2]
-    out = torch.zeros_like(x)
-    for expert, rows, slots in _route_groups(top_idx, gate_weight.shape[0]):
-        h = F.linear(x[rows], gate_up_proj[expert])  # [t, 2I]
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, down_proj[expert])  # [t, H]
-        out.index_add_(0, rows, (y * scores[rows, slots, None]).to(x.dtype))
-    return out
+
+    def act(h: torch.Tensor) -> torch.Tensor:  # [t, 2I] -> [t, I]
+        return F.silu(h[:, :inter]) * h[:, inter:]
+
+    run = _experts_for(x)
+    return run(x, top_idx, scores, gate_up_proj, None, down_proj, None, act, transposed=True)

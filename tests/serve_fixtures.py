@@ -155,6 +155,10 @@ class ThreadedServer:
         *,
         api_key: str | None = API_KEY,
         max_body_bytes: int = 8 << 20,
+        max_choices: int = 128,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str = "auto",
         **engine_kwargs,
     ):
         import threading
@@ -179,7 +183,12 @@ class ThreadedServer:
             model_name=MODEL_NAME,
             api_key=api_key,
             max_body_bytes=max_body_bytes,
+            max_choices=max_choices,
+            chat_template=chat_template,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
         )
+        self.state = state
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(

@@ -193,3 +193,23 @@ def test_borrow_validates_every_device_before_the_single_fence(monkeypatch):
     bridge.borrow_torch_tensors(*good, synchronize=False)
     assert fences == [1] and bridge.stats().fences == 1
     assert real.fence == bridge_state.FENCE_NONE  # the real CPU entry needs no fence
+
+
+def test_view_of_a_copy_stops_matching_after_an_in_place_write():
+    """On copy platforms MLX holds the values at borrow time: a later in-place write to the
+    torch weight (same storage, same layout) must make the view stale; zero-copy views keep
+    matching because MLX reads the very storage that was written."""
+    weight = torch.randn(4, 4)
+    (view,) = bridge.borrow_torch_tensors(weight)
+    with torch.no_grad():
+        weight.mul_(2.0)
+    sees_write = torch.equal(torch.tensor(view.array.tolist()), weight)
+    assert view.matches(weight) == sees_write == view.is_zero_copy
+    assert view.matches(weight) or not view.matches(weight.detach())  # views share the counter
+
+
+def test_view_of_an_inference_tensor_copy_never_matches():
+    with torch.inference_mode():
+        weight = torch.randn(4, 4)
+    (view,) = bridge.borrow_torch_tensors(weight)
+    assert view.matches(weight) == view.is_zero_copy

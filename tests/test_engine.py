@@ -96,6 +96,26 @@ def test_prefix_cache_hits_equal_cold_runs(checkpoints, model_type):
     assert engine.stats()["prefix_cache_hit_tokens"] > 0
 
 
+def test_paged_windows_reuse_prefixes_at_any_block_boundary(checkpoints):
+    """swa_kv='paged' (the CUDA default): SWA layers live in the pool, so a gpt-oss prefix is
+    reused at every block boundary (windowed caches: only where a window snapshot exists) and
+    a second chat turn prefills only its new tokens; outputs equal transformers'."""
+    path, hf = checkpoints["gpt_oss"]
+    shared = list(range(60, 90))  # 30 tokens: 7 full blocks of 4, not a chunk end (16)
+    prompts = [shared + [1, 2, 3], shared + [9], shared[:17] + [4, 4]]
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    engine = _engine(path, swa_kv="paged")
+    assert engine.runner.layout.swa_layers == () and engine.runner.swa_caches == {}
+    first = engine.generate(prompts[:1], params)[0]
+    warm = engine.generate(prompts[1:], params)
+    assert [w.num_cached_tokens for w in warm] == [28, 16]
+    turn2 = prompts[0] + first.token_ids + [7, 7]  # the previous turn, then the user's reply
+    second = engine.generate([turn2], params)[0]
+    assert second.num_cached_tokens == 40  # 42 tokens had KV: 10 whole blocks
+    for out, prompt in zip([first, *warm, second], [*prompts, turn2]):
+        assert out.token_ids == _reference(hf, prompt, 10)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gpt_oss"])
 def test_tiny_kv_budget_preempts_and_all_requests_finish_correctly(checkpoints, model_type):
     path, hf = checkpoints[model_type]

@@ -93,7 +93,7 @@ def test_packages_do_not_import_mlx_when_disabled():
         "            continue\n"
         "        try:\n"
         "            importlib.import_module(info.name)\n"
-        "        except ModuleNotFoundError as exc:  # CUDA-only kernels need triton\n"
+        "        except ModuleNotFoundError as exc:  # GPU-only kernels need triton\n"
         "            if exc.name != 'triton':\n"
         "                raise\n"
         "loaded = sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.'))\n"

@@ -228,3 +228,25 @@ def test_long_windowed_chunk_blocked_by_window_matches_brute_force(
     for lay in [layout] if prefix else [layout, None]:
         got = attention(q, k, v, q_positions, lay, sm_scale=0.3, sinks=sinks, window=window)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("n,s", [(40, 40), (24, 70), (1, 33)])
+def test_cuda_causal_tail_with_sinks_and_window_equals_cpu(window, n, s):
+    """bf16 on CUDA (the flash kernel with its log-sum-exp, no cuDNN) against fp32 on CPU."""
+    from ops.attention import KeyLayout, attention
+
+    gen = torch.Generator().manual_seed(n + s)
+    q = torch.randn(2, 8, n, 64, generator=gen)
+    k, v = torch.randn(2, 2, s, 64, generator=gen), torch.randn(2, 2, s, 64, generator=gen)
+    sinks = torch.randn(8, generator=gen)
+    pos = torch.arange(s - n, s).expand(2, n)
+    layout = KeyLayout.contiguous(torch.full((2,), s), is_causal_tail=True)
+    want = attention(q, k, v, pos, layout, sm_scale=0.125, sinks=sinks, window=window)
+    cuda = [t.to("cuda", torch.bfloat16) for t in (q, k, v)]
+    layout_cuda = KeyLayout.contiguous(torch.full((2,), s, device="cuda"), is_causal_tail=True)
+    got = attention(*cuda, pos.cuda(), layout_cuda, sm_scale=0.125, sinks=sinks.cuda(),
+                    window=window)  # fmt: skip
+    torch.testing.assert_close(got.float().cpu(), want, rtol=3e-2, atol=3e-2)

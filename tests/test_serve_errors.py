@@ -87,8 +87,8 @@ INVALID = [
     ),
     (
         "/v1/chat/completions",
-        CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        "tools",
+        CHAT | {"tools": [{"type": "function", "function": {"name": "f g"}}]},
+        "tools.0.function.name",
     ),
     ("/v1/chat/completions", CHAT | {"frobnicate": True}, "frobnicate"),
     ("/v1/chat/completions", {"model": MODEL_NAME}, "messages"),

@@ -26,12 +26,15 @@ CPU = {
 }
 
 # 2026-12-01, one NVIDIA H200, bf16 random weights, prompt 128 + 128 generated, decode tok/s
-# (docs/performance.md, H200 table; torch_runner = middle of its measured range).
+# (docs/performance.md, H200 table: tools/bench_cuda_decode.py; llama.cpp and HF from the earlier
+# session's table).
 H200 = {
-    "Llama-3.2-1B b1": {"roofline": 1715, "torch_runner": 453, "llama.cpp": 746, "HF": 108},
-    "Llama-3.2-1B b64": {"roofline": 94632, "torch_runner": 15378, "llama.cpp": 9571, "HF": 5277},
-    "Llama-3.1-8B b1": {"roofline": 283, "torch_runner": 152, "llama.cpp": 205, "HF": 48},
-    "Llama-3.1-8B b64": {"roofline": 16365, "torch_runner": 6369, "llama.cpp": 4734, "HF": 3057},
+    "Llama-3.2-1B b1": {"roofline": 1715, "torch_runner": 530, "llama.cpp": 746, "HF": 108},
+    "Llama-3.2-1B b64": {"roofline": 94632, "torch_runner": 18329, "llama.cpp": 9571, "HF": 5277},
+    "Llama-3.1-8B b1": {"roofline": 283, "torch_runner": 167.5, "llama.cpp": 205, "HF": 48},
+    "Llama-3.1-8B b64": {"roofline": 16365, "torch_runner": 6570, "llama.cpp": 4734, "HF": 3057},
+    "gpt-oss-20b b1": {"roofline": 588, "torch_runner": 153, "llama.cpp": 294, "HF": 0},
+    "gpt-oss-20b b64": {"roofline": 6615, "torch_runner": 3149, "llama.cpp": 2427, "HF": 0},
 }
 
 
@@ -39,11 +42,11 @@ def grouped_bars(data: dict, title: str, ylabel: str, path: Path, log: bool = Fa
     groups = list(data)
     series = list(next(iter(data.values())))
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, name in enumerate(series):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [data[g][name] for g in groups], width, label=name)
-    ax.set_xticks(range(len(groups)), groups)
+    ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if log:

@@ -5,7 +5,8 @@ awaits it, and new requests must join the running batch between steps (continuou
 All engine state is touched only by the loop thread; callers hand it work through a locked
 inbox (adds, aborts) and receive outputs on per-request asyncio queues fed with
 `call_soon_threadsafe`. The waiting queue is bounded: past `max_waiting` a new request is
-refused at once with `EngineOverCapacityError` instead of queueing without limit.
+refused at once with `EngineOverCapacityError` instead of queueing without limit, and `submit`
+admits a group of requests (one HTTP request's choices) together or not at all.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,9 +24,21 @@ from torch_runner.engine import Engine
 
 logger = logging.getLogger(__name__)
 
+CACHED_STATS_SECONDS = 0.25
+
 
 class EngineOverCapacityError(RuntimeError):
     """The engine's waiting queue is full; retry later (HTTP 503)."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine is shutting down and ended this request (HTTP 503 / a final error event)."""
+
+
+class QueueTooSmallError(ValueError):
+    """More requests at once than the waiting queue can ever hold (HTTP 400, never 503)."""
+
+    param = "n"
 
 
 class _Subscriber:
@@ -53,7 +67,10 @@ class AsyncEngine:
         self._num_pending = 0
         self._thread: threading.Thread | None = None
         self._is_stopping = False
-        self._stats: dict[str, Any] = engine.stats()
+        self._num_cached_tokens = 0
+        self._cached_at = 0.0
+        self._stats: dict[str, Any] = {}
+        self._refresh_stats(force=True)
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -83,21 +100,49 @@ class AsyncEngine:
         Raises ValueError for a bad request, EngineOverCapacityError when the queue is full.
         Leaving the iterator early (client gone) aborts the request.
         """
+        (stream,) = self.submit([(request_id, prompt_token_ids, params)])
+        async with contextlib.aclosing(stream) as outputs:
+            async for item in outputs:
+                yield item
+
+    def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[AsyncIterator]:
+        """Queue several requests together, or none of them; one output stream per request.
+
+        One HTTP request's choices go through here at once, so a fan-out is never half
+        admitted. Raises QueueTooSmallError (a ValueError: waiting can never help) when there
+        are more requests than the queue holds, EngineOverCapacityError (retry later) when
+        they do not fit now. Each stream must be iterated or `abort`ed (abort also drops it).
+        """
         if not self.is_running:
-            raise RuntimeError("AsyncEngine is not started; call start() first")
-        subscriber = _Subscriber(asyncio.get_running_loop())
+            raise EngineShutdownError("the engine loop is not running")
+        if len(requests) > self.max_waiting:
+            raise QueueTooSmallError(
+                f"{len(requests)} choices (prompts x n) can never fit in the waiting queue of "
+                f"{self.max_waiting} (max_waiting); send fewer prompts or a smaller n"
+            )
+        loop = asyncio.get_running_loop()
+        streams = []
         with self._lock:
             waiting = len(self.engine.scheduler.waiting) + self._num_pending
-            if waiting >= self.max_waiting:
+            if waiting + len(requests) > self.max_waiting:
                 raise EngineOverCapacityError(
-                    f"over capacity: {waiting} requests are waiting (max_waiting={self.max_waiting}); retry later"
+                    f"over capacity: {waiting} requests are waiting and {len(requests)} more do "
+                    f"not fit (max_waiting={self.max_waiting}); retry later"
                 )
-            if request_id in self._subscribers:
-                raise ValueError(f"request_id {request_id!r} is already running")
-            self._subscribers[request_id] = subscriber
-            self._inbox.append(("add", (request_id, list(prompt_token_ids), params)))
-            self._num_pending += 1
+            ids = [request_id for request_id, _, _ in requests]
+            taken = [rid for i, rid in enumerate(ids) if rid in self._subscribers or rid in ids[:i]]
+            if taken:
+                raise ValueError(f"request_id {taken[0]!r} is already running")
+            for request_id, prompt_token_ids, params in requests:
+                subscriber = _Subscriber(loop)
+                self._subscribers[request_id] = subscriber
+                self._inbox.append(("add", (request_id, list(prompt_token_ids), params)))
+                self._num_pending += 1
+                streams.append(self._outputs(request_id, subscriber))
         self._wakeup.set()
+        return streams
+
+    async def _outputs(self, request_id: str, subscriber: _Subscriber) -> AsyncIterator:
         finished = False
         try:
             while not finished:
@@ -114,8 +159,16 @@ class AsyncEngine:
                     del self._subscribers[request_id]
 
     def abort(self, request_id: str) -> None:
+        """End a request (queued or running) and drop its stream; its KV is freed by the loop."""
         with self._lock:
             self._inbox.append(("abort", request_id))
+            self._subscribers.pop(request_id, None)  # a stream never iterated leaks nothing
+        self._wakeup.set()
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every queued and running request with `exc` (on the loop thread: frees their KV)."""
+        with self._lock:
+            self._inbox.append(("fail", exc))
         self._wakeup.set()
 
     def stats(self) -> dict[str, Any]:
@@ -137,18 +190,16 @@ class AsyncEngine:
                 except Exception as exc:  # a bad request fails only itself
                     if subscriber is not None:
                         subscriber.put(exc)
+            elif kind == "fail":
+                self._fail_all(payload)
             else:
-                output = self.engine.abort(payload)
-                with self._lock:
-                    subscriber = self._subscribers.get(payload)
-                if output is not None and subscriber is not None:
-                    subscriber.put(output)
+                self.engine.abort(payload)  # its stream was dropped by abort(): nobody listens
 
     def _loop(self) -> None:
         while not self._is_stopping:
             self._drain_inbox()
             if not self.engine.has_unfinished():
-                self._stats = self.engine.stats()
+                self._refresh_stats(force=True)
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
@@ -158,17 +209,32 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing every running request")
                 self._fail_all(exc)
                 continue
-            self._stats = self.engine.stats()
+            self._refresh_stats()
             with self._lock:
                 targets = [(self._subscribers.get(o.request_id), o) for o in outputs]
             for subscriber, output in targets:
                 if subscriber is not None:
                     subscriber.put(output)
-        self._fail_all(RuntimeError("AsyncEngine shut down"))
+        self._fail_all(EngineShutdownError("AsyncEngine shut down"))
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        """Engine stats for scrapers; the prefix cache's evictable share walks its tree, so while
+        busy it is recounted at most every CACHED_STATS_SECONDS (always when idle)."""
+        stats = self.engine.stats()
+        now = time.monotonic()
+        if force or now - self._cached_at >= CACHED_STATS_SECONDS:
+            self._num_cached_tokens = self.engine.kv_cached_tokens()
+            self._cached_at = now
+        cached = min(self._num_cached_tokens, stats["kv_used_tokens"])
+        stats["kv_cached_tokens"] = cached
+        stats["kv_used_tokens"] -= cached  # held by requests; evictable cache blocks apart
+        stats["kv_usage"] = stats["kv_used_tokens"] / max(1, stats["kv_total_tokens"])
+        self._stats = stats
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
+        self._refresh_stats(force=True)
         with self._lock:
             subscribers = list(self._subscribers.values())
         for subscriber in subscribers:

@@ -14,6 +14,7 @@ ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALLOWED_WEIGHT_PACKING = ("auto", "off")
 ALLOWED_MOE_WEIGHTS = ("packed", "dequantized")  # models.loader.MOE_WEIGHTS
 ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4")  # models.quantize.QUANTIZATIONS
+ALLOWED_SWA_KV = ("auto", "windowed", "paged")
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
@@ -34,8 +35,9 @@ class EngineConfig:
     budget; 0 disables chunking (prompts are prefilled whole).
     """
 
-    model: str | None = None
+    model: str | None = None  # a folder, a .gguf file or a Hub model ID (models/hub.py)
     tokenizer: str | None = None  # default: the model folder
+    revision: str | None = None  # Hub branch, tag or commit of a Hub model ID
     device: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -55,6 +57,9 @@ class EngineConfig:
     quantization: str = "auto"  # auto: the checkpoint's (GGUF Q4 -> int4, Q8_0 -> int8), else none
     enforce_eager: bool = False  # True: never capture CUDA graphs for decode
     cuda_graph_max_bs: int = 64  # decode batches above this size run eagerly
+    # sliding-window KV: "windowed" per-request buffers (least memory), "paged" in the pool with
+    # the full layers (CUDA graphs need it), "auto" = paged on CUDA, windowed elsewhere
+    swa_kv: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):  # pathlib.Path is as good as a string
@@ -66,6 +71,8 @@ class EngineConfig:
             raise ValueError(
                 f"tokenizer={self.tokenizer!r} is invalid; expected a path string or None"
             )
+        if self.revision is not None and not isinstance(self.revision, str):
+            raise ValueError(f"revision={self.revision!r} is invalid; expected a string or None")
         if not isinstance(self.device, str):
             raise ValueError(f"device={self.device!r} is invalid; expected a string")
         if self.dtype not in ALLOWED_DTYPES:
@@ -95,6 +102,10 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} is invalid; allowed values: "
                 f"{', '.join(ALLOWED_QUANTIZATION)}"
+            )
+        if self.swa_kv not in ALLOWED_SWA_KV:
+            raise ValueError(
+                f"swa_kv={self.swa_kv!r} is invalid; allowed values: {', '.join(ALLOWED_SWA_KV)}"
             )
         if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, int | float):
             raise ValueError(

@@ -12,20 +12,40 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from models import load_model
+from bridge import resolve_device, use_mlx, validate_device
+from models import ModelLoadError, load_model
+from models.hub import resolve_model
 from ops.sampling.params import SamplingParams
 from torch_runner.config import EngineConfig
 from torch_runner.kv.block_manager import BlockManager
 from torch_runner.kv.radix_cache import RadixCache
 from torch_runner.outputs import RequestOutput
 from torch_runner.request_state import RequestState
-from torch_runner.runner.model_runner import ModelRunner, available_memory_bytes
+from torch_runner.runner.model_runner import (
+    NON_FINITE_TOKEN,
+    ModelRunner,
+    available_memory_bytes,
+)
 from torch_runner.scheduler import Scheduler
 from torch_runner.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+NON_FINITE_MESSAGE = (
+    "the model produced non-finite logits (NaN or inf) for this request; it was ended. "
+    "Try another dtype (float16 overflows where bfloat16 or float32 does not)"
+)
+
+
+def _load_tokenizer(auto_tokenizer, path: str):
+    """The tokenizer, or one ModelLoadError naming the folder (not a tokenizers traceback)."""
+    try:
+        return auto_tokenizer.from_pretrained(path)
+    except Exception as exc:  # tokenizers/transformers raise many types for a damaged file
+        raise ModelLoadError(
+            f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 class Engine:
@@ -45,11 +65,21 @@ class Engine:
     def _start(self, config: EngineConfig) -> None:
         from transformers import AutoTokenizer
 
+        # the MLX gate, before the model path is resolved or a weight read (as `serve` does):
+        # a broken MLX install or an MLX-incompatible device fails here, in one line
+        if use_mlx():
+            validate_device(resolve_device(config.device))
         path = config.model
         if path is None:
             from models.default_model import default_model_path
 
             path = str(default_model_path())
+        else:  # a Hub model ID becomes its cached snapshot folder; local paths are checked
+            path = str(
+                resolve_model(
+                    path, revision=config.revision, load_format=config.load_format, flag="model"
+                )
+            )
         self.config = config
         loaded = load_model(
             path,
@@ -64,7 +94,7 @@ class Engine:
         self.device = next(loaded.model.parameters()).device
         self.dtype = next(loaded.model.parameters()).dtype
         self.vocab_size = self.args.vocab_size
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_path)
+        self.tokenizer = _load_tokenizer(AutoTokenizer, config.tokenizer or self.model_path)
         self.max_model_len = config.max_model_len or self.args.max_position_embeddings
         eos = set(loaded.eos_token_ids)
         hf_eos = getattr(loaded.hf_config, "eos_token_id", None)
@@ -104,11 +134,13 @@ class Engine:
         self._grammar_masker = None
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self.num_non_finite = 0
 
     def _num_blocks(self, config: EngineConfig) -> int:
         bs = config.block_size
         most = config.max_num_seqs * self.max_model_len
-        per_token = ModelRunner.kv_bytes_per_token(self.args, self.dtype)
+        paged = ModelRunner.pages_windows(config, self.device)
+        per_token = ModelRunner.kv_bytes_per_token(self.args, self.dtype, paged)
         if config.max_total_tokens is not None:
             tokens = config.max_total_tokens
         elif per_token == 0:
@@ -118,13 +150,15 @@ class Engine:
             tokens = min(most, int(free * config.mem_fraction) // per_token)
         num_blocks = max(1, tokens // bs)
         logger.info(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token over %d full-attention layers)",
+            "KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token over %d pool layers)",
             num_blocks,
             bs,
             num_blocks * bs,
             num_blocks * bs * per_token / 2**20,
             per_token,
-            sum(t != "sliding_attention" for t in self.args.layer_types),
+            len(self.args.layer_types)
+            if paged
+            else sum(t != "sliding_attention" for t in self.args.layer_types),
         )
         return num_blocks
 
@@ -229,10 +263,14 @@ class Engine:
         outputs = []
         for i, (rid, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             state = self.requests[rid]
-            logprob = result.logprobs[i] if result.logprobs is not None else None
-            top = result.top_logprobs[i] if result.top_logprobs is not None else None
-            finish = state.append(token_id, logprob, top)
-            self.num_generated_tokens += 1
+            if token_id == NON_FINITE_TOKEN:  # only this request ends; its batchmates go on
+                finish = state.fail(NON_FINITE_MESSAGE)
+                self.num_non_finite += 1
+            else:
+                logprob = result.logprobs[i] if result.logprobs is not None else None
+                top = result.top_logprobs[i] if result.top_logprobs is not None else None
+                finish = state.append(token_id, logprob, top)
+                self.num_generated_tokens += 1
             if finish is not None:
                 self.scheduler.finish(state.seq, finish[0], finish[1], self._payload(state.seq))
                 self.runner.free(rid)
@@ -307,6 +345,12 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.reset()
 
+    def kv_cached_tokens(self) -> int:
+        """KV tokens held only by the prefix cache (evictable on demand); O(cached blocks)."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.num_evictable_blocks() * self.config.block_size
+
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
         bs = self.config.block_size
@@ -320,6 +364,7 @@ class Engine:
             "prefix_cache_hit_tokens": cache.num_hit_tokens if cache else 0,
             "prefix_cache_queried_tokens": cache.num_queried_tokens if cache else 0,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_non_finite_requests": self.num_non_finite,
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
         }

@@ -18,9 +18,10 @@ class Logprob:
 class RequestOutput:
     """Cumulative state of one request plus the increment of the latest step.
 
-    text / token_ids / logprobs are cumulative; delta_text / delta_token_ids are what this
-    output adds. finish_reason is "stop", "length", "abort" or None while running; stop_reason
-    is the stop string or stop token id that ended it (None for EOS and length).
+        text / token_ids / logprobs are cumulative; delta_text / delta_token_ids are what this
+        output adds. finish_reason is "stop", "length", "abort", "error" (the model produced
+    non-finite logits for it; `error` says so) or None while running; stop_reason
+        is the stop string or stop token id that ended it (None for EOS and length).
     """
 
     request_id: str
@@ -34,3 +35,4 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int
     stop_reason: int | str | None = None
+    error: str | None = None  # why a request with finish_reason "error" ended

@@ -3,8 +3,8 @@
 Kept apart from the scheduler (which only sees token counts) and the runner (which only sees
 tensors): this is where a sampled token becomes text and where a request decides it is done.
 Order of checks for each new token: grammar termination, EOS (unless ignore_eos), stop token
-ids, stop strings (only after min_tokens; the stop string and what follows are cut), max_tokens,
-then the context length.
+ids, stop strings (only after min_tokens; what follows the stop string is cut, and the string
+itself too unless include_stop_str_in_output), max_tokens, then the context length.
 """
 
 from __future__ import annotations
@@ -39,6 +39,13 @@ class RequestState:
         self.final_text: str | None = None
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
+        self.error: str | None = None
+
+    def fail(self, message: str):
+        """End the request with finish_reason "error" (its logits went non-finite)."""
+        self.error = message
+        self.detokenizer.flush()
+        return "error", None
 
     @property
     def request_id(self) -> str:
@@ -70,7 +77,8 @@ class RequestState:
         if self.stops and seq.num_output_tokens >= params.min_tokens:
             found = find_stop(self.detokenizer.text, self.stops, before - self.max_stop_len + 1)
             if found is not None:
-                self.final_text = self.detokenizer.text[: found[0]]
+                end = found[0] + (len(found[1]) if params.include_stop_str_in_output else 0)
+                self.final_text = self.detokenizer.text[:end]
                 return "stop", found[1]
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return "length", None
@@ -104,4 +112,5 @@ class RequestState:
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
             stop_reason=seq.stop_reason,
+            error=self.error,
         )

@@ -79,6 +79,7 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     structured: StructuredOutputSpec | None = None
 
     def __post_init__(self):
@@ -139,6 +140,9 @@ class SamplingParams:
             raise SamplingParamError("n", f"{self.n} is out of range; allowed: >= 1")
         self.ignore_eos = _flag("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _flag(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
         if self.structured is not None and not isinstance(self.structured, StructuredOutputSpec):
             raise SamplingParamError(
                 "structured", "must be a StructuredOutputSpec(kind, spec) or None"

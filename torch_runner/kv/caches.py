@@ -10,6 +10,11 @@ ever reads the last `window` tokens, so it keeps a small per-request buffer of c
 buffer is compacted to its trailing window (amortised O(1) per token), `offset` stays absolute
 (RoPE positions and scheduling do not change) and the returned key count always equals the
 mask width, because the layout says where key 0 sits.
+
+`CacheLayout(page_windows=True)` (the CUDA default, EngineConfig.swa_kv) stores the SWA layers
+in the pool too: then every layer has fixed device storage, so a decode step with windows can
+be captured in a CUDA graph, and the paged decode kernel reads only the window's keys; the
+price is pool memory for the out-of-window tokens of those layers.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+import ops
 from models.args import SLIDING_ATTENTION
 from ops.attention import KeyLayout
+from ops.paged_attention import impl_for as paged_impl
 
 
 @dataclass(frozen=True)
@@ -28,13 +35,20 @@ class CacheLayout:
 
     layer_types: tuple[str, ...]
     window: int | None
+    page_windows: bool = False  # True: SWA layers live in the pool too (module docstring)
 
     @property
     def full_layers(self) -> tuple[int, ...]:
+        """Layers whose KV lives in the paged pool."""
+        if self.page_windows:
+            return tuple(range(len(self.layer_types)))
         return tuple(i for i, t in enumerate(self.layer_types) if t != SLIDING_ATTENTION)
 
     @property
     def swa_layers(self) -> tuple[int, ...]:
+        """Layers with a per-request WindowedKVCache."""
+        if self.page_windows:
+            return ()
         return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING_ATTENTION)
 
     @property
@@ -191,6 +205,7 @@ class PagedStepMeta:
         as_long = dict(dtype=torch.int64, device=device)
         tables = torch.tensor(padded, **as_long)  # [B, blocks]
         lens = torch.tensor(kv_lens, **as_long)  # [B]
+        self.block_tables, self.kv_lens, self.block_size = tables, lens, block_size
         pos = torch.arange(s_max, **as_long)  # [S]
         slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, S]
         self.gather_slots = slots.masked_fill_(pos >= lens[:, None], pad_slot).view(-1)  # [B * S]
@@ -217,8 +232,21 @@ class PagedStepMeta:
         self.layout = KeyLayout.contiguous(lens, is_causal_tail=is_tail)
 
 
+def decode_from_pool(pool, layer, write_slots, tables, kv_lens, q, k, v, sm_scale, sinks, window):
+    """One decode token per row: store k, v [B, Hkv, 1, D] at `write_slots` [B], then attend
+    q [B, Hq, 1, D] over each row's kv_lens [B] keys through `tables` [B, blocks] (the paged
+    decode op: Triton on CUDA, the torch reference elsewhere). Returns [B, Hq, 1, D]."""
+    b, h, _, d = k.shape
+    pool.write(layer, write_slots, k.reshape(b, h, d), v.reshape(b, h, d))
+    out = paged_impl(q.device)(q[:, :, 0], pool.k_layers[layer], pool.v_layers[layer], tables,
+                               kv_lens, block_size=pool.block_size, sm_scale=sm_scale,
+                               sinks=sinks, window=window)  # fmt: skip
+    return out[:, :, None]
+
+
 class PagedLayerView:
-    """One full-attention layer's cache for one forward: writes the new KV, gathers the keys."""
+    """One pool layer's cache for one forward: writes the new KV, gathers the keys (or, for a
+    CUDA decode step, attends straight from the pool)."""
 
     __slots__ = ("pool", "layer", "meta")
 
@@ -233,6 +261,17 @@ class PagedLayerView:
         if not meta.is_dense:
             k_new, v_new = k_new[meta.write_rows], v_new[meta.write_rows]
         return self.store_and_fetch(k_new, v_new)
+
+    def attend(self, q, k, v, positions, *, sm_scale: float, sinks=None, window=None):
+        """Write this step's K/V and attend: q [B, Hq, N, D] -> [B, Hq, N, D]. A CUDA decode
+        step (N == 1) reads the pool through the block table; anything else gathers."""
+        meta = self.meta
+        if q.is_cuda and q.shape[2] == 1:
+            return decode_from_pool(self.pool, self.layer, meta.write_slots, meta.block_tables,
+                                    meta.kv_lens, q, k, v, sm_scale, sinks, window)  # fmt: skip
+        keys, values, layout = self.update_and_fetch(k, v)
+        return ops.attention(q, keys, values, positions, layout, sm_scale=sm_scale, sinks=sinks,
+                             window=window)  # fmt: skip
 
     def store_and_fetch(self, k_new: torch.Tensor, v_new: torch.Tensor):
         """Write this step's K/V [T, Hkv, D] (T: the real new tokens, row-major) and return every

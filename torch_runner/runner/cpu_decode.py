@@ -18,16 +18,19 @@ from __future__ import annotations
 import torch
 
 import ops
-from models.layers import Attention, DecoderLayer
+from models.args import SLIDING_ATTENTION
+from models.layers import Attention, DecoderLayer, GatedMLP
 from ops.attention import CPU_FLASH
 from ops.norm import rms_norm_unchecked
-from torch_runner.runner.cuda_graphs import supports_graphs
 
 
 def supports_fast_decode(model, args) -> bool:
     """True when every layer is a plain full-attention DecoderLayer with fused projections."""
-    if not supports_graphs(model, args):  # no sliding-window layers, dense MLPs only
+    if SLIDING_ATTENTION in args.layer_types:
         return False
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(isinstance(getattr(x, "mlp", None), GatedMLP) for x in layers):
+        return False  # dense MLPs only
     for layer in model.model.layers:
         attn = getattr(layer, "self_attn", None)
         if type(layer) is not DecoderLayer or type(attn) is not Attention:

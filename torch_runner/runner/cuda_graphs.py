@@ -8,17 +8,18 @@ launch, but only for fixed shapes and fixed buffer addresses. So a pure-decode g
 - the batch is padded to a bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, then steps of 16 up to
   `cuda_graph_max_bs`); padded rows have kv_len 0, read only the pool's zero `pad_slot` and
   write their K/V to `scratch_slot`, which nothing reads;
-- every row's keys are gathered to a fixed width S (a power of two >= the step's longest
-  context, a multiple of the block size) from its block table; keys at index >= kv_len read
-  `pad_slot` and are masked, and the mask is built inside the forward from the kv_lens tensor,
-  so nothing in the graph depends on host values;
+- every row's block table is padded to a fixed width S / block_size (S a power of two >= the
+  step's longest context, a multiple of the block size); attention reads the pool through it
+  (ops/paged_attention.py: only keys below kv_len, and inside the window for SWA layers), so
+  nothing in the graph depends on host values;
 - all inputs live in one int64 buffer per graph, [B, 4 + S / block_size] =
   (token id, position, kv_len, write slot, block table...), filled by one host-to-device copy.
 
 `static_decode` is that forward as a plain function: on CPU the tests run it eagerly and
 compare it with the eager path; on CUDA `DecodeGraphs` captures it once per (batch bucket,
-key bucket), lazily on first use, into one shared memory pool. Models with sliding-window
-layers (per-request Python caches) or MoE blocks (a host sync routes tokens) stay eager.
+key bucket), lazily on first use, into one shared memory pool. Every family is captured:
+sliding-window layers are paged on CUDA (kv/caches.py `page_windows`), sinks are part of the
+attention kernel and the MoE op routes with grouped GEMMs on the device (ops/moe.py).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ import time
 
 import torch
 
-from models.args import SLIDING_ATTENTION
 from models.layers import GatedMLP
-from ops.attention import KeyLayout
-from torch_runner.kv.caches import PagedKVPool
+from ops.moe import is_capturable
+from torch_runner.kv.caches import PagedKVPool, decode_from_pool
 
 logger = logging.getLogger(__name__)
 
@@ -56,34 +56,27 @@ def key_bucket(num_keys: int, block_size: int, min_keys: int = MIN_KEYS) -> int:
 
 
 class StaticPagedView:
-    """A full-attention layer's cache in the static decode: write one token, gather S keys."""
+    """A pool layer's cache in the static decode: write one token, attend through the table."""
 
-    __slots__ = ("pool", "layer", "write_slots", "gather_slots", "layout")
+    __slots__ = ("pool", "layer", "write_slots", "tables", "kv_lens")
 
-    def __init__(self, pool: PagedKVPool, layer: int, write_slots, gather_slots, layout):
-        self.pool, self.layer, self.layout = pool, layer, layout
-        self.write_slots, self.gather_slots = write_slots, gather_slots  # [B], [B * S]
+    def __init__(self, pool: PagedKVPool, layer: int, write_slots, tables, kv_lens):
+        self.pool, self.layer = pool, layer
+        self.write_slots, self.tables, self.kv_lens = write_slots, tables, kv_lens  # fmt: skip
 
-    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
-        b, h, _, d = k.shape  # [B, Hkv, 1, D]
-        self.pool.write(self.layer, self.write_slots, k.reshape(b, h, d), v.reshape(b, h, d))
-        keys, values = self.pool.gather(self.layer, self.gather_slots, b)
-        return keys, values, self.layout  # [B, Hkv, S, D]
+    def attend(self, q, k, v, positions, *, sm_scale: float, sinks=None, window=None):
+        return decode_from_pool(self.pool, self.layer, self.write_slots, self.tables,
+                                self.kv_lens, q, k, v, sm_scale, sinks, window)  # fmt: skip
 
 
 def static_decode(model, pool: PagedKVPool, full_layers, num_layers: int, inputs, num_keys: int):
     """One decode token per row from the int64 buffer `inputs` [B, 4 + S / block_size]; every
     shape depends only on (B, S) and no host value is read. Returns hidden [B, 1, H]."""
-    bs = pool.block_size
     input_ids, positions = inputs[:, 0:1], inputs[:, 1:2]  # [B, 1]
     kv_lens, write_slots, tables = inputs[:, 2], inputs[:, 3], inputs[:, HEADER:]
-    idx = torch.arange(num_keys, device=inputs.device)  # [S]
-    slots = tables[:, idx // bs] * bs + idx % bs  # [B, S]
-    gather = slots.masked_fill(idx >= kv_lens[:, None], pool.pad_slot).reshape(-1)  # [B * S]
-    layout = KeyLayout.contiguous(kv_lens)  # masks keys >= kv_len, from the tensor
     caches: list = [None] * num_layers
     for index, layer in enumerate(full_layers):
-        caches[layer] = StaticPagedView(pool, index, write_slots, gather, layout)
+        caches[layer] = StaticPagedView(pool, index, write_slots, tables, kv_lens)
     return model(input_ids, positions, caches)
 
 
@@ -103,14 +96,17 @@ def fill_inputs(group, block_size: int, num_rows: int, num_keys: int, scratch_sl
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def supports_graphs(model, args) -> bool:
-    """Capturable: no sliding-window layers and no MoE (its routing reads counts on the host)."""
-    if SLIDING_ATTENTION in args.layer_types:
+def supports_graphs(model, layout, device) -> bool:
+    """Capturable: every layer's KV in the pool (SWA layers too: `layout.page_windows`) and
+    every MLP either gated or an MoE whose op has no host sync on this device."""
+    if layout.swa_layers:
         return False
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         return False
-    return all(isinstance(getattr(layer, "mlp", None), GatedMLP) for layer in layers)
+    mlps = [getattr(layer, "mlp", None) for layer in layers]
+    moe_ok = is_capturable(device)
+    return all(isinstance(m, GatedMLP) or (moe_ok and hasattr(m, "experts")) for m in mlps)
 
 
 class DecodeGraphs:
@@ -126,15 +122,16 @@ class DecodeGraphs:
         self.mempool = None
 
     @classmethod
-    def for_runner(cls, model, args, pool, full_layers, config, device) -> DecodeGraphs | None:
+    def for_runner(cls, model, layout, pool, config, device) -> DecodeGraphs | None:
         """Graphs on CUDA unless `enforce_eager` or the model cannot be captured."""
         if torch.device(device).type != "cuda" or config.enforce_eager:
             return None
-        if not supports_graphs(model, args):
-            logger.info("CUDA graphs off: sliding-window or MoE layers run eagerly")
+        if not supports_graphs(model, layout, device):
+            logger.info("CUDA graphs off: windowed SWA caches (swa_kv='windowed') or an MoE op "
+                        "with host syncs run eagerly")  # fmt: skip
             return None
-        num_layers = len(args.layer_types)
-        return cls(model, pool, full_layers, num_layers, device, config.cuda_graph_max_bs)
+        num_layers = len(layout.layer_types)
+        return cls(model, pool, layout.full_layers, num_layers, device, config.cuda_graph_max_bs)
 
     def can_run(self, group) -> bool:
         return len(group) <= self.max_bs and all(c.num_tokens == 1 for c in group)

@@ -33,12 +33,14 @@ from torch_runner.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
+NON_FINITE_TOKEN = -1  # StepResult token id of a row whose logits were not all finite
 PAD_WASTE = 1.3  # a group may compute at most this many padded tokens per real token
 
 
 @dataclass
 class StepResult:
-    """Sampled tokens of one step, in the order of the sampled chunks."""
+    """Sampled tokens of one step, in the order of the sampled chunks (NON_FINITE_TOKEN marks
+    a row whose logits were not finite)."""
 
     request_ids: list[str]
     token_ids: list[int]
@@ -116,7 +118,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.deterministic = config.enable_deterministic_inference
         self.vocab_size = self.args.vocab_size
-        self.layout = CacheLayout(tuple(self.args.layer_types), self.args.sliding_window)
+        self.layout = CacheLayout(
+            tuple(self.args.layer_types),
+            self.args.sliding_window,
+            page_windows=self.pages_windows(config, device),
+        )
         self.full_layers = self.layout.full_layers
         self.swa_layers = self.layout.swa_layers
         self.pool = PagedKVPool(
@@ -132,7 +138,7 @@ class ModelRunner:
         self.swa_caches: dict[str, list[WindowedKVCache]] = {}
         # pure-decode groups replay a CUDA graph (None: eager; see cuda_graphs.py)
         self.decode_graphs = DecodeGraphs.for_runner(
-            self.model, self.args, self.pool, self.full_layers, config, device
+            self.model, self.layout, self.pool, config, device
         )
         # CPU decode steps skip module dispatch (cpu_decode.py); the same ops and values
         self.fast_decode = None
@@ -142,8 +148,15 @@ class ModelRunner:
         self.generator.manual_seed(config.random_seed)
 
     @staticmethod
-    def kv_bytes_per_token(args, dtype: torch.dtype) -> int:
-        layout = CacheLayout(tuple(args.layer_types), args.sliding_window)
+    def pages_windows(config, device: torch.device) -> bool:
+        """SWA layers in the pool (config.swa_kv; "auto": on CUDA, where graphs need it)."""
+        if config.swa_kv == "auto":
+            return torch.device(device).type == "cuda"
+        return config.swa_kv == "paged"
+
+    @staticmethod
+    def kv_bytes_per_token(args, dtype: torch.dtype, page_windows: bool = False) -> int:
+        layout = CacheLayout(tuple(args.layer_types), args.sliding_window, page_windows)
         return PagedKVPool.bytes_per_token(
             len(layout.full_layers), args.num_key_value_heads, args.head_dim, dtype
         )
@@ -214,6 +227,14 @@ class ModelRunner:
             return self.fast_decode(input_ids, positions, caches)
         return self.model(input_ids, positions, caches)
 
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 [len(values)] on the device without blocking the host: `torch.tensor(list,
+        device=cuda)` waits for the copy, and so for the forward queued before it."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], grammar_rows=None) -> StepResult:
         """Run the step's chunks; sample one token for every chunk that reaches its end.
@@ -224,12 +245,12 @@ class ModelRunner:
         for group in group_chunks(chunks):
             hidden = self._forward_group(group)  # [B, N, H]
             rows = [i for i, c in enumerate(group) if c.is_sampled]
-            if rows:
+            if rows and len(rows) == len(group) and hidden.shape[1] == 1:
+                hidden_rows.append(hidden[:, 0])  # a decode group: every row, no index
+                sampled.extend(group)
+            elif rows:
                 last = [group[i].num_tokens - 1 for i in rows]
-                index = (
-                    torch.tensor(rows, device=self.device),
-                    torch.tensor(last, device=self.device),
-                )
+                index = (self._to_device(rows), self._to_device(last))
                 hidden_rows.append(hidden[index])  # [M, H]
                 sampled.extend(group[i] for i in rows)
         if not sampled:
@@ -249,11 +270,16 @@ class ModelRunner:
             deterministic=self.deterministic,
             eos_token_ids=self.eos_token_ids,
         )
-        positions = torch.tensor(
-            [s.num_tokens - 1 for s in seqs], dtype=torch.int64, device=self.device
-        )
-        out = ops.sample(logits[:, : self.vocab_size], batch, positions, self.generator)
-        result = StepResult([s.request_id for s in seqs], out.token_ids.tolist())
+        positions = self._to_device([s.num_tokens - 1 for s in seqs])
+        logits = logits[:, : self.vocab_size]
+        out = ops.sample(logits, batch, positions, self.generator)
+        # a row whose raw logits hold NaN/inf gets token -1 (the engine ends that request with
+        # an error); folded into the one transfer of token ids below, so no extra sync. An fp32
+        # row sum is NaN/inf iff some logit is (finite logits cannot reach 3e38 in total), and
+        # costs a quarter of the argmax (isfinite().all() cost 6x the argmax: a [B, V] bool)
+        is_finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # [B]
+        token_ids = torch.where(is_finite, out.token_ids, NON_FINITE_TOKEN)
+        result = StepResult([s.request_id for s in seqs], token_ids.tolist())
         if out.logprobs is not None:
             result.logprobs = out.logprobs.tolist()
             if out.top_logprobs is not None:

@@ -1,4 +1,11 @@
-"""POST /v1/chat/completions: messages through the chat template, n choices, logprobs, streaming."""
+"""POST /v1/chat/completions: messages through the chat template, n choices, logprobs, streaming.
+
+Each choice's output goes through one `OutputParser` (serve/output_parsers.py) into content,
+reasoning_content and tool_calls: `parse` for the JSON answer, `feed`/`finish` for the stream, so
+the two agree. A message with calls that ended naturally has finish_reason "tool_calls".
+gpt-oss (`state.chat_format.is_harmony`) is rendered by openai-harmony instead of a template,
+stops at <|return|> / <|call|>, and its forced calls are harmony messages (serve/chat_format.py).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +13,30 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from torch_runner.serve.chat_format import (
+    check_template_kwargs,
+    continuation_field,
+    harmony_effort,
+)
+from torch_runner.serve.errors import InvalidRequestError, param_error
 from torch_runner.serve.generation import (
     Choice,
     Increment,
     run_choices,
     usage_of,
 )
-from torch_runner.serve.logprobs import chat_logprobs
-from torch_runner.serve.params import chat_fields
+from torch_runner.serve.harmony_tools import (
+    WRAPPED_KINDS,
+    harmony_call_grammar,
+    harmony_final_grammar,
+)
+from torch_runner.serve.logprobs import chat_logprobs, message_token_count
+from torch_runner.serve.offload import json_response
+from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
+from torch_runner.serve.params import chat_fields, structured_spec
+from torch_runner.serve.parsing import DeltaMessage, OutputParser
 from torch_runner.serve.prompts import chat_prompt, check_context
 from torch_runner.serve.protocol import (
     ChatChoice,
@@ -26,9 +47,18 @@ from torch_runner.serve.protocol import (
     ChatDelta,
     ChatResponseMessage,
     ChoiceLogprobs,
+    FunctionCallDelta,
+    FunctionCallOut,
+    ToolCallDeltaOut,
+    ToolCallOut,
 )
+from torch_runner.serve.reasoning.harmony_prompt import HarmonyPromptError, render_harmony_prompt
 from torch_runner.serve.sse import stream_choices
 from torch_runner.serve.state import ServingState
+from torch_runner.serve.tool_prompt import message_dicts
+from torch_runner.serve.tools import ToolPlan, plan_tools
+
+PROMPT_TAIL_TOKENS = 16  # enough to see the `<think>` a template opens at the very end
 
 
 def _param_names(body: ChatCompletionRequest) -> dict[str, str]:
@@ -43,27 +73,117 @@ async def create_chat_completion(
     """Render messages with the chat template, fan out n choices; answer as JSON or SSE."""
     arrived_at = time.perf_counter()
     state.check_model(body.model)
-    fields = chat_fields(body, state.vocab_size)
-    prompt_ids = chat_prompt(state.tokenizer, body.messages)
+    fields = await state.offload(chat_fields, body, state.vocab_size)
+    plan = plan_tools(body)
+    _apply_tool_plan(state, plan, fields)
+    prompt_ids, prompt_tail = await state.offload(_render_prompt, state, body, plan)
     max_name = _param_names(body)["max_tokens"]
     check_context(len(prompt_ids), fields["max_tokens"], state.max_model_len, "messages", max_name)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = state.build_choices(
-        request_id, [prompt_ids], fields, body.n, body.seed, _param_names(body), arrived_at
+    choices = await state.offload(
+        state.build_choices,
+        request_id,
+        [prompt_ids],
+        fields,
+        body.n,
+        body.seed,
+        _param_names(body),
+        arrived_at,
     )
     model = body.model or state.model_name
 
     if body.stream:
-        return await _stream(state, body, http, choices, request_id, model)
+        return await _stream(state, body, http, choices, request_id, model, plan, prompt_tail)
     if not await run_choices(http, state.engine, choices, on_close=lambda: state.record(choices)):
         return Response(status_code=499)
-    response = ChatCompletionResponse(
-        id=request_id,
-        model=model,
-        choices=[_final_choice(state, body, choice) for choice in choices],
-        usage=usage_of(choices),
+    response = await state.offload(
+        lambda: ChatCompletionResponse(
+            id=request_id,
+            model=model,
+            choices=[_final_choice(state, body, choice, plan, prompt_tail) for choice in choices],
+            usage=usage_of(choices),
+        )
     )
-    return JSONResponse(response.model_dump())
+    return await state.offload(json_response, response)
+
+
+def _render_prompt(
+    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan
+) -> tuple[list[int], str]:
+    """Prompt ids, and the text of its last tokens (did the template leave `<think>` open?)."""
+    chat_format = state.chat_format
+    template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+    if chat_format.is_harmony:
+        return _harmony_prompt(state, body, plan, template_kwargs), ""
+    if body.reasoning_effort is not None:
+        template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    ids = chat_prompt(
+        state.tokenizer,
+        body.messages,
+        plan.offered,
+        state.chat_template,
+        template_kwargs=template_kwargs,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+    )
+    if not chat_format.reasoning_parser:
+        return ids, ""
+    return ids, state.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
+
+
+def _harmony_prompt(
+    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan, template_kwargs: dict
+) -> list[int]:
+    """gpt-oss: openai-harmony renders the prompt (see harmony_effort for what it accepts)."""
+    continuation = continuation_field(body.add_generation_prompt, body.continue_final_message)
+    effort = harmony_effort(template_kwargs, body.reasoning_effort, continuation)
+    try:
+        return render_harmony_prompt(
+            state.chat_format.harmony_encoding, message_dicts(body.messages), plan.offered, effort
+        )
+    except HarmonyPromptError as exc:
+        raise param_error(exc) from None
+
+
+def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
+    """Forced tool choices constrain the output; some auto parsers need special tokens kept.
+
+    gpt-oss: forced calls are harmony call messages, a response_format is the body of a final
+    message, and <|return|> / <|call|> end a turn."""
+    chat_format = state.chat_format
+    if chat_format.is_harmony:
+        stops = set(fields.get("stop_token_ids") or []) | set(chat_format.stop_token_ids)
+        fields["stop_token_ids"] = sorted(stops)
+    if plan.is_forced and chat_format.is_harmony:
+        names = [plan.named] if plan.choice == "named" else [f["name"] for f in plan.functions]
+        grammar = harmony_call_grammar(chat_format.harmony_encoding, plan.offered or [], names)
+        fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
+    elif plan.is_forced:
+        fields["structured"] = plan.structured_spec()
+    elif chat_format.is_harmony and getattr(fields.get("structured"), "kind", "") in WRAPPED_KINDS:
+        grammar = harmony_final_grammar(chat_format.harmony_encoding, fields["structured"])
+        fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
+    try:
+        if keeps_special_tokens(state, plan):
+            fields["skip_special_tokens"] = False
+    except ValueError as exc:  # a configured parser that is not available in this build
+        raise InvalidRequestError(str(exc), param="tools") from None
+
+
+def _parser(
+    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan, prompt_tail: str
+) -> OutputParser:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        return make_output_parser(
+            state, plan, prompt_tail, stop, bool(body.include_stop_str_in_output)
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="tools") from None
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 def _logprobs(
@@ -74,12 +194,54 @@ def _logprobs(
     return ChoiceLogprobs(content=chat_logprobs(state.token_table, token_ids, entries))
 
 
-def _final_choice(state: ServingState, body: ChatCompletionRequest, choice: Choice) -> ChatChoice:
+def _message_tokens(state: ServingState, choice: Choice) -> int:
+    return message_token_count(
+        choice.token_ids, choice.finish_reason, choice.params, state.eos_token_ids
+    )
+
+
+def _final_choice(
+    state: ServingState,
+    body: ChatCompletionRequest,
+    choice: Choice,
+    plan: ToolPlan,
+    prompt_tail: str,
+) -> ChatChoice:
+    parsed = _parser(state, body, plan, prompt_tail).parse(choice.text, choice.token_ids)
+    num_tokens = _message_tokens(state, choice)
+    calls = [
+        ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+        for c in parsed.tool_calls
+    ]
+    message = ChatResponseMessage(
+        content=parsed.content,
+        reasoning_content=parsed.reasoning_content,
+        tool_calls=calls or None,
+    )
     return ChatChoice(
         index=choice.index,
-        message=ChatResponseMessage(content=choice.text),
-        logprobs=_logprobs(state, body, choice.token_ids, choice.logprobs),
-        finish_reason=choice.finish_reason,
+        message=message,
+        logprobs=_logprobs(
+            state, body, choice.token_ids[:num_tokens], choice.logprobs[:num_tokens]
+        ),
+        finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
+    )
+
+
+def _delta(message: DeltaMessage) -> ChatDelta:
+    calls = [
+        ToolCallDeltaOut(
+            index=piece.index,
+            id=piece.id,
+            type="function" if piece.id else None,
+            function=FunctionCallDelta(name=piece.name, arguments=piece.arguments),
+        )
+        for piece in message.tool_calls
+    ]
+    return ChatDelta(
+        content=message.content,
+        reasoning_content=message.reasoning_content,
+        tool_calls=calls or None,
     )
 
 
@@ -90,31 +252,56 @@ async def _stream(
     choices: list[Choice],
     request_id: str,
     model: str,
+    plan: ToolPlan,
+    prompt_tail: str,
 ) -> Response:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    parsers = {choice.index: _parser(state, body, plan, prompt_tail) for choice in choices}
+    has_calls = dict.fromkeys(parsers, False)
 
     def chunk(choice_list: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, model=model, choices=choice_list, usage=usage)
 
+    # OpenAI opens a text answer with content "" and one that may hold calls with content null
+    opening_content = "" if plan.choice == "none" else None
+
     def opening():
         for choice in choices:
-            yield chunk(
-                [ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))]
-            )
+            delta = ChatDelta(role="assistant", content=opening_content)
+            yield chunk([ChatChunkChoice(index=choice.index, delta=delta)])
 
     def render(increment: Increment):
         choice = increment.choice
         if increment.is_empty:
             return
-        delta = ChatDelta(content=increment.delta_text)
-        logprobs = _logprobs(state, body, increment.delta_token_ids, increment.delta_logprobs)
+        parser = parsers[choice.index]
+        message = parser.feed(increment.delta_text, increment.delta_token_ids)
+        if increment.finish_reason is not None:
+            end = parser.finish()
+            message = DeltaMessage(
+                content=(message.content or "") + (end.content or "") or None,
+                reasoning_content=(message.reasoning_content or "") + (end.reasoning_content or "")
+                or None,
+                tool_calls=message.tool_calls + end.tool_calls,
+            )
+        has_calls[choice.index] |= bool(message.tool_calls)
+        if message.is_empty and increment.finish_reason is None and not body.logprobs:
+            return  # held back by the parser (a partial tag); nothing to send yet
+        delta = _delta(message)
+        # pair each logprob entry with its own token (entries can trail the ids by an output),
+        # and leave out a final end-of-turn token (see _final_choice)
+        entries, start = increment.delta_logprobs, increment.logprob_start
+        if increment.is_final:
+            entries = entries[: max(0, _message_tokens(state, choice) - start)]
+        delta_ids = choice.token_ids[start : start + len(entries)]
+        logprobs = _logprobs(state, body, delta_ids, entries)
         yield chunk(
             [
                 ChatChunkChoice(
                     index=choice.index,
                     delta=delta,
                     logprobs=logprobs,
-                    finish_reason=increment.finish_reason,
+                    finish_reason=_finish_reason(increment.finish_reason, has_calls[choice.index]),
                 )
             ]
         )

@@ -2,196 +2,28 @@
 
 Order matters: the MLX runtime gate (`use_mlx()`, then `validate_device(resolve_device(...))`)
 runs before the model path is resolved or a weight is read, so a broken MLX install or an
-MLX-incompatible device fails in one line, in a second, not after loading a checkpoint.
-Every start-up error exits with status 2 and a message naming the flag.
+MLX-incompatible device fails in one line, in a second, not after loading a checkpoint. Then
+`resolve_model_files` turns a Hub ID into its cached snapshot (models/hub.py), checks a local
+folder, and reads the --generation-config defaults, all before a weight is read.
+Every start-up error exits with status 2 and one line naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
-from typing import Any
 
 from bridge import MlxRuntimeError, resolve_device, use_mlx, validate_device
-from torch_runner.serve.state import DEFAULT_MAX_BODY_BYTES
+from torch_runner.serve.flags import DTYPE_ALIASES, FlagConflict, build_parser
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+__all__ = ["build_parser", "engine_config", "gate_mlx", "main"]
 
-EPILOG = """\
-environment:
-  TORCH_RUNNER_USE_MLX=1     route the default MLX op set (attention, rms_norm, sampler) through MLX.
-                             The MLX runtime and the device are validated before the model loads
-                             (stable torch 2.13.x, MLX >= 0.32.0; devices cpu or mps; never cuda).
-  TORCH_RUNNER_MLX_OPS=...   with TORCH_RUNNER_USE_MLX=1, choose the MLX ops: a comma list of op
-                             names (e.g. attention,rms_norm), 'all', 'none' or 'auto' (the ops
-                             measured faster through MLX on this platform). Ignored when MLX is off.
-  TORCH_RUNNER_CACHE_DIR     where the embedded default model is converted to safetensors.
-
-examples:
-  python -m torch_runner.serve                                   # embedded SmolLM2-135M-Instruct
-  python -m torch_runner.serve --model ./Qwen3-0.6B --dtype bfloat16 --port 9000 --api-key s3cret
-  TORCH_RUNNER_USE_MLX=1 TORCH_RUNNER_MLX_OPS=attention python -m torch_runner.serve --device cpu
-"""
-
-
-def _config_defaults() -> dict[str, Any]:
-    from torch_runner.config import EngineConfig
-
-    return {f: getattr(EngineConfig, f, None) for f in EngineConfig.field_names()}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Every flag, with defaults taken from EngineConfig so the CLI and the engine never drift."""
-    d = _config_defaults()
-    parser = argparse.ArgumentParser(
-        prog="python -m torch_runner.serve",
-        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
-        "/health, /metrics) over torch_runner's engine.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face model folder (config.json + safetensors). Default: the embedded SmolLM2-135M-Instruct.",
-    )
-    model.add_argument(
-        "--served-model-name",
-        default=None,
-        help="Name clients pass as `model` (default: the model folder's name). 'default' is always accepted too.",
-    )
-    model.add_argument(
-        "--device",
-        default=d["device"],
-        help="auto (mps > cuda > cpu), mps, cuda, cuda:N or cpu. Default: %(default)s.",
-    )
-    model.add_argument(
-        "--dtype",
-        default=d["dtype"],
-        help="auto, float32, bfloat16, float16 or float64. Default: %(default)s.",
-    )
-    model.add_argument(
-        "--load-format", default=d["load_format"], help="Checkpoint format. Default: %(default)s."
-    )
-    engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--max-model-len",
-        type=int,
-        default=d["max_model_len"],
-        help="Context length (prompt + completion). Default: the model's.",
-    )
-    engine.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=d["max_num_seqs"],
-        help="Most requests decoded together. Default: %(default)s.",
-    )
-    engine.add_argument(
-        "--max-waiting",
-        type=int,
-        default=d["max_waiting"],
-        help="Bounded waiting queue; beyond it requests get 503 + Retry-After. Default: %(default)s.",
-    )
-    engine.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=d["max_total_tokens"],
-        help="KV pool size in tokens (overrides --mem-fraction).",
-    )
-    engine.add_argument(
-        "--mem-fraction",
-        type=float,
-        default=d["mem_fraction"],
-        help="Fraction of free device memory for the KV pool when --max-total-tokens is unset. Default: %(default)s.",
-    )
-    engine.add_argument(
-        "--chunked-prefill-size",
-        type=int,
-        default=d["chunked_prefill_size"],
-        help="Per-step prefill token budget; 0 disables chunking. Default: %(default)s.",
-    )
-    engine.add_argument(
-        "--disable-prefix-caching",
-        action="store_true",
-        help="Turn the radix prefix cache off (finished requests then keep no KV blocks).",
-    )
-    engine.add_argument(
-        "--random-seed",
-        type=int,
-        default=d["random_seed"],
-        help="Seed of the engine's generator (unseeded requests). Default: %(default)s.",
-    )
-    engine.add_argument(
-        "--enable-deterministic-inference",
-        action="store_true",
-        help="Seed every row (the request's seed, or 42) so outputs never depend on batchmates.",
-    )
-    engine.add_argument(
-        "--weight-packing",
-        choices=("auto", "off"),
-        default=d["weight_packing"],
-        help="auto: on CPU, pack the matmul weights for oneDNN once at start-up (fp32 on AVX2; "
-        "bf16/fp16 where the CPU supports it): 1.3-2.7x faster decode matmuls, same memory "
-        "except one packed copy of a tied embedding; off: plain torch linear. "
-        "Default: %(default)s.",
-    )
-    engine.add_argument(
-        "--moe-weights",
-        choices=("packed", "dequantized"),
-        default=d["moe_weights"],
-        help="packed: MXFP4 MoE experts (gpt-oss) stay as on disk and are computed from directly; "
-        "dequantized: expanded to --dtype at load (3.8x the memory; the reference). "
-        "Default: %(default)s.",
-    )
-    engine.add_argument(
-        "--quantization",
-        choices=("auto", "none", "int8", "int4"),
-        default=d["quantization"],
-        help="Weight-only quantization of every dense linear and the lm_head at load: int8 per "
-        "output channel, int4 per 32 input columns (torch's int8/int4 pack kernels); auto: what "
-        "the checkpoint holds (a GGUF's Q4_0/Q4_1 -> int4, Q8_0 -> int8; else none). "
-        "Default: %(default)s.",
-    )
-    engine.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="Never capture CUDA graphs for decode (CUDA only; other devices always run eagerly).",
-    )
-    engine.add_argument(
-        "--cuda-graph-max-bs",
-        type=int,
-        default=d["cuda_graph_max_bs"],
-        help="Largest decode batch replayed from a CUDA graph; larger ones run eagerly. "
-        "Default: %(default)s.",
-    )
-    server = parser.add_argument_group("server")
-    server.add_argument(
-        "--host",
-        default=DEFAULT_HOST,
-        help="Bind address. Default: %(default)s (local only; use 0.0.0.0 to expose).",
-    )
-    server.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="Port. Default: %(default)s."
-    )
-    server.add_argument(
-        "--api-key",
-        default=None,
-        help="Require 'Authorization: Bearer <key>' on /v1/* (401 otherwise).",
-    )
-    server.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="Request body size limit (413 above it). Default: %(default)s.",
-    )
-    server.add_argument(
-        "--log-level", default="info", choices=LOG_LEVELS, help="Default: %(default)s."
-    )
-    return parser
+TRUST_REMOTE_CODE_REFUSAL = (
+    "--trust-remote-code is not supported: torch_runner never runs code from a model repository "
+    "(every supported family is built in); remove the flag"
+)
 
 
 def engine_config(args: argparse.Namespace):
@@ -199,15 +31,16 @@ def engine_config(args: argparse.Namespace):
 
     return EngineConfig(
         model=args.model,
+        tokenizer=args.tokenizer,
         device=args.device,
-        dtype=args.dtype,
+        dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_total_tokens=args.max_total_tokens,
         mem_fraction=args.mem_fraction,
         chunked_prefill_size=args.chunked_prefill_size,
         random_seed=args.random_seed,
-        enable_prefix_caching=not args.disable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching,
         enable_deterministic_inference=args.enable_deterministic_inference,
         load_format=args.load_format,
         max_waiting=args.max_waiting,
@@ -216,6 +49,7 @@ def engine_config(args: argparse.Namespace):
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        swa_kv=args.swa_kv,
     )
 
 
@@ -232,7 +66,12 @@ def _fail(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `python -m torch_runner.serve`."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except FlagConflict as exc:
+        _fail(str(exc))
+    if args.trust_remote_code:
+        _fail(TRUST_REMOTE_CODE_REFUSAL)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -244,11 +83,44 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"--port {args.port} is out of range; allowed: 0..65535")
     if args.max_body_bytes < 1:
         _fail(f"--max-body-bytes {args.max_body_bytes} is invalid; expected >= 1")
+    if args.max_choices_per_request < 1:
+        _fail(f"--max-choices-per-request {args.max_choices_per_request} is invalid; expected >= 1")
+    if not args.shutdown_timeout >= 0:
+        _fail(f"--shutdown-timeout {args.shutdown_timeout} is invalid; expected seconds >= 0")
     try:
         config = engine_config(args)
     except ValueError as exc:
         _fail(f"invalid engine flag: {exc}")
+    try:
+        config, defaults = resolve_model_files(args, config)
+    except ValueError as exc:  # ModelLoadError included: one line, before anything loads
+        _fail(str(exc))
 
     from torch_runner.serve.server import run_server
 
-    run_server(args, config)
+    run_server(args, config, defaults)
+
+
+def resolve_model_files(args: argparse.Namespace, config):
+    """Hub IDs -> cached snapshot folders, local folders checked, sampling defaults read.
+
+    Returns the config with local paths and the `SamplingDefaults` (None for the embedded
+    default model: its folder is only known once it is converted, so the server reads them).
+    """
+    from models.hub import resolve_model, resolve_tokenizer
+    from torch_runner import SamplingParams
+    from torch_runner.serve.generation_defaults import load_sampling_defaults
+
+    model, tokenizer = config.model, config.tokenizer
+    if model is not None:
+        model = str(resolve_model(model, revision=args.revision, load_format=config.load_format))
+    elif args.revision is not None:
+        raise ValueError("--revision needs --model (a Hub model ID)")
+    if tokenizer is not None:
+        tokenizer = str(resolve_tokenizer(tokenizer, revision=args.tokenizer_revision))
+    elif args.tokenizer_revision is not None:
+        raise ValueError("--tokenizer-revision needs --tokenizer (a Hub model ID)")
+    defaults = None
+    if model is not None or args.generation_config != "auto":
+        defaults = load_sampling_defaults(args.generation_config, model, SamplingParams)
+    return dataclasses.replace(config, model=model, tokenizer=tokenizer), defaults

@@ -6,7 +6,7 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from torch_runner.serve.generation import (
     Choice,
@@ -15,6 +15,7 @@ from torch_runner.serve.generation import (
     usage_of,
 )
 from torch_runner.serve.logprobs import completion_logprobs
+from torch_runner.serve.offload import json_response
 from torch_runner.serve.params import completion_fields
 from torch_runner.serve.prompts import check_context, completion_prompts
 from torch_runner.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
@@ -31,13 +32,22 @@ async def create_completion(
     """Validate, tokenize, fan out prompts x n to the engine; answer as JSON or SSE."""
     arrived_at = time.perf_counter()
     state.check_model(body.model)
-    fields = completion_fields(body, state.vocab_size)
-    prompts = completion_prompts(state.tokenizer, body.prompt, state.vocab_size)
+    fields = await state.offload(completion_fields, body, state.vocab_size)
+    prompts = await state.offload(
+        completion_prompts, state.tokenizer, body.prompt, state.vocab_size
+    )
     for prompt_ids, _ in prompts:
         check_context(len(prompt_ids), body.max_tokens, state.max_model_len, "prompt", "max_tokens")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    choices = state.build_choices(
-        request_id, [ids for ids, _ in prompts], fields, body.n, body.seed, PARAM_NAMES, arrived_at
+    choices = await state.offload(
+        state.build_choices,
+        request_id,
+        [ids for ids, _ in prompts],
+        fields,
+        body.n,
+        body.seed,
+        PARAM_NAMES,
+        arrived_at,
     )
     echo_texts = [text if body.echo else "" for _, text in prompts]
     model = body.model or state.model_name
@@ -46,16 +56,18 @@ async def create_completion(
         return await _stream(state, body, http, choices, echo_texts, request_id, model)
     if not await run_choices(http, state.engine, choices, on_close=lambda: state.record(choices)):
         return Response(status_code=499)
-    response = CompletionResponse(
-        id=request_id,
-        model=model,
-        choices=[
-            _final_choice(state, body, choice, echo_texts[choice.prompt_index])
-            for choice in choices
-        ],
-        usage=usage_of(choices),
+    response = await state.offload(
+        lambda: CompletionResponse(
+            id=request_id,
+            model=model,
+            choices=[
+                _final_choice(state, body, choice, echo_texts[choice.prompt_index])
+                for choice in choices
+            ],
+            usage=usage_of(choices),
+        )
     )
-    return JSONResponse(response.model_dump())
+    return await state.offload(json_response, response)
 
 
 def _final_choice(

@@ -84,6 +84,10 @@ class InternalError(APIError):
     type = "internal_server_error"
 
 
+class ModelOutputError(InternalError):
+    """The model failed a request (non-finite logits): that request ends, the server goes on."""
+
+
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
@@ -97,12 +101,25 @@ def param_error(exc: ValueError, param_names: dict[str, str] | None = None) -> I
 
 
 def _validation_param(loc: tuple[Any, ...]) -> str | None:
-    """('body', 'messages', 0, 'role') -> 'messages.0.role'; union branch tags are dropped."""
-    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
+    """('body', 'messages', 0, 'role') -> 'messages.0.role'; union branch tags (type names such as
+    'str' or a model class 'TextContentPart'; API field names are lower snake case) are dropped."""
+    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and _is_union_tag(p))]
     return ".".join(parts) or None
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+
+
+def _is_union_tag(part: str) -> bool:
+    return "[" in part or part in _UNION_TAGS or part[:1].isupper()
+
+
+def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Our own checks (value_error: e.g. a lone surrogate) first, else the deepest location:
+    a union reports every branch, and the branch that got furthest is the one the client meant
+    (`[[false, true]]` as prompt: 'prompt.0.0 should be an integer', not 'should be a string')."""
+    own = [e for e in errors if e.get("type") == "value_error"]
+    return own[0] if own else max(errors, key=lambda e: len(e.get("loc", ())))
 
 
 def validation_error(exc: RequestValidationError) -> InvalidRequestError:
@@ -110,7 +127,7 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
     errors = exc.errors()
     if not errors:
         return InvalidRequestError("invalid request body")
-    first = errors[0]
+    first = _most_specific(errors)
     loc = tuple(first.get("loc", ()))
     kind = first.get("type", "")
     if kind == "json_invalid":

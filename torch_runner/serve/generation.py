@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,13 +19,20 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from torch_runner.serve.errors import APIError, OverCapacityError, param_error
+from torch_runner.serve.errors import (
+    APIError,
+    EngineStoppedError,
+    ModelOutputError,
+    OverCapacityError,
+    param_error,
+)
 from torch_runner.serve.metrics import ChoiceTracker
 from torch_runner.serve.protocol import PromptTokensDetails, Usage
 
 T = TypeVar("T")
 
 LogprobEntry = tuple[float, list[tuple[int, float]]]
+MIN_LOGPROB = -9999.0  # what a non-finite logprob is sent as (vLLM's convention)
 
 
 class ClientDisconnected(Exception):
@@ -48,24 +56,37 @@ class Choice:
     num_cached_tokens: int = 0
     is_finished: bool = False
     has_output: bool = False
+    error: str | None = None  # set with finish_reason "error"
 
 
 @dataclass
 class Increment:
+    """What one engine output added. Rendering may lag behind (the next outputs are already
+    folded into the choice), so what an increment needs is snapshotted here, not read back."""
+
     choice: Choice
     delta_text: str
     delta_token_ids: list[int]
     delta_logprobs: list[LogprobEntry]
+    logprob_start: int = 0  # position of delta_logprobs[0] among the choice's tokens
+    is_final: bool = False  # this output finished the choice
 
     @property
     def is_empty(self) -> bool:
-        """Nothing to stream: no new text or tokens, and the choice is still running."""
-        return not (self.delta_text or self.delta_token_ids or self.choice.is_finished)
+        """Nothing to stream: no new text, tokens or logprobs, and the choice is still running."""
+        return not (self.delta_text or self.delta_token_ids or self.delta_logprobs or self.is_final)
 
     @property
     def finish_reason(self) -> str | None:
         """The choice's finish reason on its final increment; None before that."""
-        return self.choice.finish_reason if self.choice.is_finished else None
+        return self.choice.finish_reason if self.is_final else None
+
+
+def json_logprob(value: Any) -> float:
+    """A logprob JSON can carry: -inf (a token a grammar or bias masked out) and NaN become
+    MIN_LOGPROB, as vLLM sends them, so no response serialisation can fail on a float."""
+    value = float(value)
+    return max(value, MIN_LOGPROB) if math.isfinite(value) else MIN_LOGPROB
 
 
 def normalize_logprobs(raw: Any, token_ids: list[int]) -> list[LogprobEntry]:
@@ -75,13 +96,13 @@ def normalize_logprobs(raw: Any, token_ids: list[int]) -> list[LogprobEntry]:
     entries: list[LogprobEntry] = []
     for token_id, entry in zip(token_ids, raw):
         if isinstance(entry, dict):  # {token_id: logprob} including the chosen token
-            chosen = float(entry[token_id])
+            chosen = json_logprob(entry[token_id])
             top = sorted(
-                ((int(i), float(lp)) for i, lp in entry.items()), key=lambda item: -item[1]
+                ((int(i), json_logprob(lp)) for i, lp in entry.items()), key=lambda item: -item[1]
             )
         else:
-            chosen = float(entry.logprob)
-            top = [(int(i), float(lp)) for i, lp in (entry.top_logprobs or [])]
+            chosen = json_logprob(entry.logprob)
+            top = [(int(i), json_logprob(lp)) for i, lp in (entry.top_logprobs or [])]
         entries.append((chosen, top))
     return entries
 
@@ -106,20 +127,33 @@ def apply_output(choice: Choice, output: Any, now: float) -> Increment:
         choice.is_finished = True
         choice.finish_reason = output.finish_reason or "stop"
         choice.tracker.finish_reason = choice.finish_reason
-    return Increment(choice, delta_text, delta_ids, delta_entries)
+        choice.error = getattr(output, "error", None)
+    return Increment(
+        choice,
+        delta_text,
+        delta_ids,
+        delta_entries,
+        logprob_start=num_done,
+        is_final=output.finished,
+    )
 
 
 def engine_error(exc: Exception) -> APIError:
     """Map what `AsyncEngine.generate` raises to the client's error; re-raise anything else."""
-    from torch_runner.async_engine import EngineOverCapacityError  # lazy: keeps `import` light
+    from torch_runner.async_engine import (  # lazy: keeps `import` light
+        EngineOverCapacityError,
+        EngineShutdownError,
+    )
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineShutdownError):
+        return EngineStoppedError(str(exc), code="server_shutdown")
     if isinstance(exc, EngineOverCapacityError):
         return OverCapacityError(
             str(exc) or "server is over capacity; retry later", code="over_capacity"
         )
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ValueError):  # QueueTooSmallError included: waiting would not help
         return param_error(exc)
     raise exc
 
@@ -129,18 +163,21 @@ async def merge_choices(engine: Any, choices: list[Choice]) -> AsyncIterator[Inc
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(choice: Choice) -> None:
+    async def pump(choice: Choice, outputs: AsyncIterator) -> None:
         try:
-            async for output in engine.generate(
-                choice.request_id, choice.prompt_ids, choice.params
-            ):
+            async for output in outputs:
                 await queue.put(apply_output(choice, output, time.perf_counter()))
         except Exception as exc:
             await queue.put(exc)
         finally:
             await queue.put(done)
 
-    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    try:  # every choice admitted at once, or none: a fan-out is never half queued
+        streams = engine.submit([(c.request_id, c.prompt_ids, c.params) for c in choices])
+    except Exception as exc:
+        raise engine_error(exc) from None
+    tasks = [asyncio.create_task(pump(c, s)) for c, s in zip(choices, streams)]
+    abort_reason = "client_disconnected"  # unless an error below ends the merge
     try:
         remaining = len(tasks)
         while remaining:
@@ -148,9 +185,17 @@ async def merge_choices(engine: Any, choices: list[Choice]) -> AsyncIterator[Inc
             if item is done:
                 remaining -= 1
             elif isinstance(item, Exception):
-                raise engine_error(item)
+                error = engine_error(item)
+                abort_reason = error.code or "error"
+                raise error
             else:
                 yield item
+                if item.choice.finish_reason == "error":  # the model failed this choice
+                    abort_reason = "non_finite_logits"
+                    item.choice.tracker.abort_reason = abort_reason
+                    raise ModelOutputError(
+                        f"choice {item.choice.index}: {item.choice.error}", code=abort_reason
+                    )
     finally:
         for task in tasks:
             task.cancel()
@@ -158,6 +203,7 @@ async def merge_choices(engine: Any, choices: list[Choice]) -> AsyncIterator[Inc
             if not choice.is_finished:
                 engine.abort(choice.request_id)
                 choice.tracker.finish_reason = "abort"
+                choice.tracker.abort_reason = abort_reason
 
 
 async def _wait_disconnect(request: Request) -> None:

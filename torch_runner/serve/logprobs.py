@@ -69,6 +69,24 @@ class TokenTable:
         return self.lookup(token_id)[0]
 
 
+def message_token_count(
+    token_ids: list[int], finish_reason: str | None, params: Any, eos_token_ids: frozenset[int]
+) -> int:
+    """How many of a finished choice's tokens make up its message.
+
+    All but a final end-of-turn token (an EOS, or one of the request's stop_token_ids) that
+    ended generation: its text is never part of the message, so chat logprobs leave it out
+    (usage still counts it, as OpenAI and vLLM do).
+    """
+    if finish_reason != "stop" or not token_ids:
+        return len(token_ids)
+    last = token_ids[-1]
+    is_eos = last in eos_token_ids and not getattr(params, "ignore_eos", False)
+    if is_eos or last in (getattr(params, "stop_token_ids", None) or ()):
+        return len(token_ids) - 1
+    return len(token_ids)
+
+
 def chat_logprobs(
     table: TokenTable, token_ids: list[int], entries: list[tuple[float, list[tuple[int, float]]]]
 ) -> list[TokenLogprob]:

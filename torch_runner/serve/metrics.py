@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "torch_runner"
@@ -24,9 +24,24 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 ENGINE_GAUGES = {
     "num_running": ("num_requests_running", "Requests being processed by the engine."),
     "num_waiting": ("num_requests_waiting", "Requests queued for admission."),
-    "kv_usage": ("kv_cache_usage_ratio", "Fraction of the KV pool in use (0..1)."),
-    "kv_used_tokens": ("kv_cache_used_tokens", "KV pool tokens in use."),
+    "kv_usage": (
+        "kv_cache_usage_ratio",
+        "Fraction of the KV pool held by requests (0..1); evictable prefix-cache blocks apart.",
+    ),
+    "kv_used_tokens": ("kv_cache_used_tokens", "KV pool tokens held by queued/running requests."),
+    "kv_cached_tokens": (
+        "kv_cache_cached_tokens",
+        "KV pool tokens held only by the prefix cache (evicted on demand, so reusable).",
+    ),
     "kv_total_tokens": ("kv_cache_total_tokens", "KV pool capacity in tokens."),
+}
+# stats() key -> (counter name without _total, help): cumulative engine events
+ENGINE_COUNTERS = {
+    "num_preemptions": ("preemptions", "Requests preempted (KV freed, recomputed later)."),
+    "num_non_finite_requests": (
+        "non_finite_requests",
+        "Requests ended because the model produced non-finite logits for them.",
+    ),
 }
 
 
@@ -43,6 +58,11 @@ class _EngineCollector:
                 family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text)
                 family.add_metric([], float(stats[key]))
                 yield family
+        for key, (name, help_text) in ENGINE_COUNTERS.items():
+            if stats.get(key) is not None:
+                counter = CounterMetricFamily(f"{PREFIX}_{name}", help_text)
+                counter.add_metric([], float(stats[key]))
+                yield counter
 
 
 class ServerMetrics:
@@ -66,6 +86,10 @@ class ServerMetrics:
         self.cached_prompt_tokens = Counter(
             f"{PREFIX}_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", labels,
             registry=self.registry,
+        )  # fmt: skip
+        self.aborted = Counter(
+            f"{PREFIX}_aborted_requests", "Generation choices ended early, by reason.",
+            ["model", "reason"], registry=self.registry,
         )  # fmt: skip
         self.generation_tokens = Counter(
             f"{PREFIX}_generation_tokens", "Tokens generated.", labels, registry=self.registry
@@ -100,6 +124,8 @@ class ServerMetrics:
         if tracker.last_token_at is not None:
             self.e2e_latency.labels(model).observe(tracker.last_token_at - tracker.arrived_at)
         self.finished.labels(model, tracker.finish_reason or "abort").inc()
+        if tracker.abort_reason is not None:
+            self.aborted.labels(model, tracker.abort_reason).inc()
 
     def observe_prompt(self, num_tokens: int, num_cached: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_tokens)
@@ -119,6 +145,8 @@ class ChoiceTracker:
         self.token_gaps: list[float] = []
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        # why it ended early: client_disconnected, server_shutdown, non_finite_logits, ...
+        self.abort_reason: str | None = None
 
     def on_tokens(self, now: float, num_new: int) -> None:
         if num_new <= 0:

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from torch_runner.serve.errors import APIError, PayloadTooLargeError, error_response
+from torch_runner.serve.offload import request_bytes
 
 
 class _BodyTooLarge(HTTPException):
@@ -50,6 +51,7 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                request_bytes.set(received)  # the worker pool sends large bodies' work aside
                 if received > self.max_bytes:
                     raise _BodyTooLarge(self.max_bytes)
             return message
@@ -95,9 +97,14 @@ class RequestMetrics:
 
 
 class ApiKeyGuard:
-    """401 for `/v1/*` without the right key, before the body is even read."""
+    """401 for `/v1/*` (or the given path prefixes) without the right key, before the body is read."""
 
-    def __init__(self, app: ASGIApp, check: Callable[[str | None], None], prefix: str = "/v1"):
+    def __init__(
+        self,
+        app: ASGIApp,
+        check: Callable[[str | None], None],
+        prefix: str | tuple[str, ...] = "/v1",
+    ):
         self.app = app
         self.check = check
         self.prefix = prefix

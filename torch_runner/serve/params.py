@@ -12,16 +12,18 @@ from __future__ import annotations
 from typing import Any
 
 from torch_runner.serve.errors import InvalidRequestError, param_error
+from torch_runner.serve.guided import guided_response_format
 from torch_runner.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 SEED_MODULUS = 2**64
 
 
-def structured_spec(response_format: dict[str, Any] | None) -> Any:
+def structured_spec(response_format: dict[str, Any] | None, param: str = "response_format") -> Any:
     """Map `response_format` to the engine's structured-output spec (None = free text).
 
     The accepted shapes and their validation live in `torch_runner.grammar.formats`; a bad
-    schema, regex or grammar is a 400 carrying xgrammar's message.
+    schema, regex or grammar is a 400 carrying xgrammar's message. `param` is the field the
+    client used (a vLLM `guided_*` field becomes a response_format in serve/guided.py).
     """
     if response_format is None:
         return None
@@ -30,7 +32,10 @@ def structured_spec(response_format: dict[str, Any] | None) -> Any:
     try:
         return spec_from_response_format(response_format)
     except ValueError as exc:
-        raise param_error(exc) from None
+        if param == "response_format":
+            raise param_error(exc) from None
+        message = str(exc).replace("for response_format", f"for {param}")
+        raise InvalidRequestError(message, param=param) from None
 
 
 def parse_logit_bias(
@@ -85,7 +90,9 @@ def _common_fields(
         "stop": _stop_list(request.stop),
         "min_tokens": request.min_tokens,
         "ignore_eos": request.ignore_eos,
-        "structured": structured_spec(request.response_format),
+        "structured": structured_spec(*guided_response_format(request)),
+        "skip_special_tokens": request.skip_special_tokens,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
     }
     optional = {
         "temperature": request.temperature,
@@ -119,9 +126,64 @@ def completion_fields(request: CompletionRequest, vocab_size: int) -> dict[str, 
     return fields
 
 
+# Chat fields refused unless null: ignoring them would answer something other than what was asked.
+REFUSED_UNLESS_NULL = {
+    "audio": "audio output is not supported (text-only models)",
+    "web_search_options": "web search is not available on this server",
+    "moderation": "moderation is not available on this server (no moderation model)",
+    "functions": "functions is deprecated by OpenAI and not supported; send tools",
+    "function_call": "function_call is deprecated by OpenAI and not supported; send tool_choice",
+}
+
+
+def check_message_fields(i: int, message: Any) -> None:
+    """Image/audio/file parts and assistant audio or function_call: 400 naming the field."""
+    for name in ("audio", "function_call"):
+        if getattr(message, name) is not None:
+            reason = "audio is not supported" if name == "audio" else "deprecated; send tool_calls"
+            raise InvalidRequestError(
+                f"messages.{i}.{name}: {reason}; allowed value: null", param=f"messages.{i}.{name}"
+            )
+    if message.refusal is not None and message.content is None:
+        message.content = message.refusal  # the refused turn renders as its text
+    for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+        if part.type in ("image_url", "input_audio", "file"):
+            raise InvalidRequestError(
+                f"messages.{i}.content.{j}: {part.type} content is not supported (text-only "
+                "models); allowed part types: text, refusal",
+                param=f"messages.{i}.content.{j}.type",
+            )
+
+
+def check_continuation(request: Any) -> None:
+    """continue_final_message continues an assistant message: it must be last (vLLM's rule)."""
+    if not request.continue_final_message:
+        return
+    if request.messages and request.messages[-1].role != "assistant":
+        raise InvalidRequestError(
+            "continue_final_message needs the last message to be the assistant's",
+            param="continue_final_message",
+        )
+
+
+def check_chat_only_fields(request: ChatCompletionRequest) -> None:
+    """`modalities` must be text only; the REFUSED_UNLESS_NULL fields must be absent or null."""
+    for name, reason in REFUSED_UNLESS_NULL.items():
+        if getattr(request, name) is not None:
+            raise InvalidRequestError(f"{reason}; allowed value: null", param=name)
+    for i, message in enumerate(request.messages):
+        check_message_fields(i, message)
+    check_continuation(request)
+    if request.modalities is not None and request.modalities != ["text"]:
+        others = [m for m in request.modalities if m != "text"]
+        raise InvalidRequestError(
+            f"modalities {others or request.modalities} are not supported; allowed: ['text']",
+            param="modalities",
+        )
+
+
 def chat_fields(request: ChatCompletionRequest, vocab_size: int) -> dict[str, Any]:
-    if request.tools:
-        raise InvalidRequestError("tools are not supported", param="tools")
+    check_chat_only_fields(request)
     if request.top_logprobs and not request.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     fields = _common_fields(request, vocab_size)

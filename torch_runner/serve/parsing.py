@@ -93,3 +93,72 @@ def accumulate(deltas: list[DeltaMessage]) -> ParsedMessage:
         reasoning_content=reasoning or None,
         tool_calls=[calls[i] for i in sorted(calls)],
     )
+
+
+def _merge(first: DeltaMessage, second: DeltaMessage) -> DeltaMessage:
+    return DeltaMessage(
+        content=(first.content or "") + (second.content or "") or None,
+        reasoning_content=(first.reasoning_content or "") + (second.reasoning_content or "")
+        or None,
+        tool_calls=first.tool_calls + second.tool_calls,
+    )
+
+
+class ChainedParser:
+    """A reasoning parser first; the content it passes on goes through a tool-call parser.
+
+    The tool parser sees the reasoning parser's content deltas and the same token ids (a text
+    tool parser ignores them).
+    """
+
+    def __init__(self, reasoning: OutputParser, tools: OutputParser):
+        self.reasoning = reasoning
+        self.tools = tools
+
+    def feed(self, delta_text: str, delta_token_ids: list[int]) -> DeltaMessage:
+        first = self.reasoning.feed(delta_text, delta_token_ids)
+        second = self.tools.feed(first.content or "", delta_token_ids)
+        return _merge(
+            DeltaMessage(reasoning_content=first.reasoning_content, tool_calls=first.tool_calls),
+            second,
+        )
+
+    def finish(self) -> DeltaMessage:
+        first = self.reasoning.finish()
+        second = _merge(self.tools.feed(first.content or "", []), self.tools.finish())
+        return _merge(
+            DeltaMessage(reasoning_content=first.reasoning_content, tool_calls=first.tool_calls),
+            second,
+        )
+
+    def parse(self, text: str, token_ids: list[int]) -> ParsedMessage:
+        first = self.reasoning.parse(text, token_ids)
+        second = self.tools.parse(first.content or "", token_ids)
+        return ParsedMessage(
+            content=second.content,
+            reasoning_content=first.reasoning_content,
+            tool_calls=first.tool_calls + second.tool_calls,
+        )
+
+
+class FirstCallOnly:
+    """`parallel_tool_calls: false`: only the first call (index 0) is kept."""
+
+    def __init__(self, inner: OutputParser):
+        self.inner = inner
+
+    @staticmethod
+    def _first(delta: DeltaMessage) -> DeltaMessage:
+        delta.tool_calls = [piece for piece in delta.tool_calls if piece.index == 0]
+        return delta
+
+    def feed(self, delta_text: str, delta_token_ids: list[int]) -> DeltaMessage:
+        return self._first(self.inner.feed(delta_text, delta_token_ids))
+
+    def finish(self) -> DeltaMessage:
+        return self._first(self.inner.finish())
+
+    def parse(self, text: str, token_ids: list[int]) -> ParsedMessage:
+        parsed = self.inner.parse(text, token_ids)
+        parsed.tool_calls = parsed.tool_calls[:1]
+        return parsed

@@ -1,8 +1,9 @@
 """Prompts -> token ids, with the context-length check.
 
 Completions take strings (tokenized with the tokenizer's special tokens, e.g. BOS) or token ids
-(used as given, range-checked). Chat renders messages through the tokenizer's chat template and
-tokenizes the result without adding special tokens again (the template already has them).
+(used as given, range-checked). Chat renders messages (and tools, tool calls and tool results)
+through the chat template and tokenizes the result without adding special tokens again (the
+template already has them).
 A prompt that cannot fit is a 400 that states both numbers.
 """
 
@@ -12,6 +13,11 @@ from typing import Any
 
 from torch_runner.serve.errors import InvalidRequestError
 from torch_runner.serve.protocol import ChatMessage
+from torch_runner.serve.tool_prompt import (
+    message_dicts,
+    template_supports_tools,
+    with_default_tool_prompt,
+)
 
 
 def completion_prompts(tokenizer: Any, prompt: Any, vocab_size: int) -> list[tuple[list[int], str]]:
@@ -43,31 +49,53 @@ def completion_prompts(tokenizer: Any, prompt: Any, vocab_size: int) -> list[tup
     return result
 
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    content = message.content
-    if isinstance(content, list):
-        content = "".join(part.text for part in content)
-    entry: dict[str, Any] = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        entry["name"] = message.name
-    return entry
+def chat_prompt(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+    *,
+    template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Render `messages` (and `tools`) with the chat template and tokenize.
 
-
-def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
-    """Render `messages` with the chat template (generation prompt appended) and tokenize."""
-    if not getattr(tokenizer, "chat_template", None):
+    `chat_template` (--chat-template) replaces the tokenizer's. A template without tool support
+    gets the default tool prompt (serve/tool_prompt.py). The template already writes the special
+    tokens, so none are added again by default (`add_special_tokens` is /tokenize's switch, as
+    in vLLM). `continue_final_message` (vLLM's) leaves the last assistant message open so the
+    model continues it, instead of starting a new turn. `template_kwargs` (the request's
+    chat_template_kwargs, reasoning_effort) become template variables.
+    """
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise InvalidRequestError(
             "this model's tokenizer has no chat template; use /v1/completions", param="messages"
         )
+    entries = message_dicts(messages)
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
+    if chat_template:
+        kwargs["chat_template"] = chat_template
+    if template_supports_tools(template):
+        if tools:
+            kwargs["tools"] = tools
+    elif tools or any(e["role"] == "tool" or e.get("tool_calls") for e in entries):
+        entries = with_default_tool_prompt(entries, tools)
     try:
         text = tokenizer.apply_chat_template(
-            [_message_dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            entries,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **kwargs,
         )
     except Exception as exc:  # jinja raises its own errors for templates that reject a conversation
         raise InvalidRequestError(
             f"messages could not be rendered by the chat template: {exc}", param="messages"
         ) from None
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if not ids:
         raise InvalidRequestError("messages render to an empty prompt", param="messages")
     return ids

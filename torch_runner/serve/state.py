@@ -6,14 +6,20 @@ import hmac
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_runner.serve.errors import AuthenticationError, NotFoundError
+from torch_runner.serve.chat_format import ChatFormat
+from torch_runner.serve.drain import Drain
+from torch_runner.serve.errors import AuthenticationError, InvalidRequestError, NotFoundError
 from torch_runner.serve.generation import Choice
+from torch_runner.serve.generation_defaults import SamplingDefaults
 from torch_runner.serve.logprobs import TokenTable
 from torch_runner.serve.metrics import ChoiceTracker, ServerMetrics
+from torch_runner.serve.offload import WorkerPool, warm_grammar
 from torch_runner.serve.params import expand_choices
+from torch_runner.serve.protocol import ModelCard
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MODEL_ALIAS = "default"
+DEFAULT_MAX_CHOICES = 128  # prompts x n per HTTP request (each is one engine request)
 
 
 @dataclass
@@ -28,12 +34,26 @@ class ServingState:
     params_cls: type  # SamplingParams
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_choices: int = DEFAULT_MAX_CHOICES
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    eos_token_ids: frozenset[int] = frozenset()  # end-of-turn ids: never part of a message
+    model_type: str | None = None  # config.json's, for picking output parsers
+    chat_template: str | None = None  # --chat-template: replaces the tokenizer's
+    tool_parser_name: str = "hermes"  # the `auto` tool-call parser (vLLM's names)
+    chat_format: ChatFormat = field(default_factory=ChatFormat)  # harmony / reasoning parser
     metrics: ServerMetrics = field(init=False)
     token_table: TokenTable = field(init=False)
+    pool: WorkerPool = field(init=False)
+    drain: Drain = field(default_factory=Drain)  # graceful-shutdown state (serve/drain.py)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine_stats, self.model_name)
         self.token_table = TokenTable(self.tokenizer)
+        self.pool = WorkerPool()
+
+    async def offload(self, fn, *args, **kwargs):
+        """Run heavy work (tokenize, template, build choices or a big response) off the loop."""
+        return await self.pool.run(fn, *args, **kwargs)
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(self.engine.stats())
@@ -51,6 +71,14 @@ class ServingState:
                 param="model",
                 code="model_not_found",
             )
+
+    def model_card(self, name: str | None = None) -> ModelCard:
+        return ModelCard(
+            id=name or self.model_name,
+            root=self.model_name,
+            max_model_len=self.max_model_len,
+            sampling_defaults=dict(self.sampling_defaults.values),
+        )
 
     def check_api_key(self, authorization: str | None) -> None:
         """With --api-key, `/v1/*` needs `Authorization: Bearer <key>` (constant-time compare)."""
@@ -76,7 +104,17 @@ class ServingState:
         arrived_at: float,
     ) -> list[Choice]:
         """prompts x n choices, OpenAI order: choice index = prompt index * n + i."""
+        if len(prompts) * n > self.max_choices:
+            raise InvalidRequestError(
+                f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} choices exceed this "
+                f"server's limit of {self.max_choices} per request (--max-choices-per-request)",
+                param="n" if n > 1 else "prompt",
+                code="too_many_choices",
+            )
+        # generation_config.json defaults fill what the request left unset (fields omits those)
+        fields = {**self.sampling_defaults.values, **fields}
         params = expand_choices(self.params_cls, fields, n, seed, param_names)
+        warm_grammar(self.tokenizer, self.vocab_size, fields.get("structured"))
         choices = []
         for prompt_index, prompt_ids in enumerate(prompts):
             for i, choice_params in enumerate(params):

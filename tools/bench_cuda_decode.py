@@ -1,0 +1,250 @@
+"""CUDA decode benchmark on model geometries with random bf16 weights (no checkpoint needed).
+
+For each --geometry (llama-1b, llama-8b, gpt-oss-20b) and batch: B prompts of --prompt-len
+random tokens, --gen-len greedy tokens each, CUDA graphs on (the engine's default), decode tok/s
+= tokens after the first / time after the first token (median of --repeats), next to the HBM
+roofline: (weight bytes read per step + KV bytes read) / --bandwidth, where an MoE step reads
+the experts its B x top_k picks are expected to hit, E * (1 - (1 - k/E)^B) of E.
+
+`--new-lengths` also times eager prefill steps of prompt lengths the process has never seen
+(first occurrence) against the same lengths again: with no per-shape plan builds or compiles
+the ratio is ~1.
+
+It imports only the public Engine API, so running it with PYTHONPATH set to another checkout
+measures that checkout (before/after ratios from one call):
+
+    PYTHONPATH=. python tools/bench_cuda_decode.py --geometry gpt-oss-20b --batches 1,8,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ops.sampling.params import SamplingParams
+from torch_runner import Engine
+
+GEOMETRIES = {
+    "llama-1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+                     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+                     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     tie_word_embeddings=False, rope_theta=500000.0),
+    "gpt-oss-20b": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"],
+                        vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                        sliding_window=128, tie_word_embeddings=False, rope_theta=150000.0,
+                        layer_types=["sliding_attention", "full_attention"] * 12,
+                        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                          beta_slow=1.0, original_max_position_embeddings=4096,
+                                          truncate=False),
+                        attention_bias=True, swiglu_limit=7.0, max_position_embeddings=131072),
+}  # fmt: skip
+COMMON = dict(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+              dtype="bfloat16")  # fmt: skip
+
+
+def byte_tokenizer():
+    """A 256-token byte-level tokenizer (ids past it decode to ''): no tokenizer files needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode()[b] for b in range(256))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def write_checkpoint(name: str, directory: Path) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    byte_tokenizer().save_pretrained(directory)
+    config = {"max_position_embeddings": 8192, **COMMON, **GEOMETRIES[name]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def decode_run(engine: Engine, prompts, gen_len: int) -> float:
+    """Decode tok/s of one batch (tokens after each request's first / time after the first)."""
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    rids = {engine.add_request(None, p, params) for p in prompts}
+    started, t_first = set(), None
+    while engine.has_unfinished():
+        for out in engine.step():
+            started.add(out.request_id)
+        if t_first is None and started >= rids:
+            torch.cuda.synchronize()
+            t_first = time.perf_counter()
+    torch.cuda.synchronize()
+    return len(prompts) * (gen_len - 1) / (time.perf_counter() - t_first)
+
+
+def roofline(engine: Engine, batch: int, context: float, bandwidth: float) -> float:
+    """Decode tok/s if every step only streamed its bytes at `bandwidth` (bytes/s)."""
+    model, args = engine.runner.model, engine.args
+    dense = expert = 0
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            continue
+        size = p.numel() * p.element_size()
+        if ".experts." in name:
+            expert += size
+        elif "embed_tokens" not in name or args.tie_word_embeddings:
+            dense += size  # the embedding is read only for B rows unless it is the lm_head
+    e = getattr(args, "num_local_experts", 0) or getattr(args, "num_experts", 0)
+    if e:
+        k = args.num_experts_per_tok
+        expert *= 1 - (1 - k / e) ** batch
+    per_layer = 2 * args.num_key_value_heads * args.head_dim * 2  # bf16 K and V
+    window = args.sliding_window or 0
+    kv = sum(min(context, window) if t == "sliding_attention" else context
+             for t in args.layer_types) * per_layer  # fmt: skip
+    step = (dense + expert + batch * kv) / bandwidth
+    return batch / step
+
+
+def new_length_prefills(engine: Engine, lengths, vocab: int) -> list[dict]:
+    """Eager prefill step time of never-seen prompt lengths, then of the same lengths again."""
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rows = []
+    for length in lengths:
+        times = []
+        for _ in range(2):
+            prompt = torch.randint(100, vocab - 1, (length,), generator=gen).tolist()
+            engine.add_request(None, prompt, params)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            while engine.has_unfinished():
+                engine.step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        rows.append(dict(prompt=length, first_ms=times[0], again_ms=times[1],
+                         ratio=times[0] / times[1]))  # fmt: skip
+    return rows
+
+
+def _device_time_us(events) -> float:
+    """GPU busy time: device-side events only (an aten op also reports its kernels' time)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(e.self_device_time_total for e in events if e.device_type == cuda)
+
+
+def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 20):
+    """torch.profiler table of `steps` pure decode steps at `batch` (after a warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(2)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+    for _ in range(batch):
+        prompt = torch.randint(100, vocab - 1, (prompt_len,), generator=gen).tolist()
+        engine.add_request(None, prompt, params)
+    for _ in range(20):  # prefill and settle
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    events = prof.key_averages()
+    gpu_us = _device_time_us(events) / steps
+    print(
+        f"profile batch {batch}: {wall:.2f} ms/step wall (profiled), GPU busy {gpu_us / 1e3:.2f} ms/step"
+    )
+    print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
+def profile_new_length(engine: Engine, length: int, vocab: int) -> None:
+    """Profiler tables (host and device self time) of a prefill of a never-seen length, then of
+    the same length again: what the first occurrence pays for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for tag in ("first", "again"):
+        engine.add_request(None, torch.randint(100, vocab - 1, (length,), generator=gen).tolist(),
+                           params)  # fmt: skip
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            while engine.has_unfinished():
+                engine.step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        gpu_ms = _device_time_us(events) / 1e3
+        print(f"prefill {length} {tag}: {(time.perf_counter() - t0) * 1e3:.1f} ms wall "
+              f"(profiled), GPU busy {gpu_ms:.1f} ms")  # fmt: skip
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--geometry", required=True, choices=sorted(GEOMETRIES))
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup-gen", type=int, default=16, help="tokens of the warm-up run")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s (H200 copy)")
+    parser.add_argument("--new-lengths", default="", help="e.g. 301,517,999 ('' skips)")
+    parser.add_argument("--label", default="", help="tag printed in every JSON row")
+    parser.add_argument("--profile-batch", type=int, default=0, help="profile decode at B (0: off)")
+    parser.add_argument("--profile-new-length", type=int, default=0,
+                        help="profile a never-seen prefill length, then a repeat (0: off)")  # fmt: skip
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    tmp = Path(tempfile.mkdtemp(prefix="bench_cuda_"))
+    t0 = time.perf_counter()
+    engine = Engine(write_checkpoint(args.geometry, tmp / args.geometry), device="cuda",
+                    dtype="bfloat16", load_format="dummy",
+                    max_total_tokens=max(batches) * (args.prompt_len + args.gen_len) + 4096,
+                    max_num_seqs=max(batches), enable_prefix_caching=False,
+                    enforce_eager=args.enforce_eager, cuda_graph_max_bs=max(batches))  # fmt: skip
+    load_s = time.perf_counter() - t0
+    graphs = getattr(engine.runner, "decode_graphs", None) is not None
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.vocab_size
+    for batch in batches:
+        prompts = [torch.randint(100, vocab - 1, (args.prompt_len,), generator=gen).tolist()
+                   for _ in range(batch)]  # fmt: skip
+        decode_run(engine, prompts, args.warmup_gen)  # graph capture, allocator, autotune
+        runs = [decode_run(engine, prompts, args.gen_len) for _ in range(args.repeats)]
+        context = args.prompt_len + args.gen_len / 2
+        top = roofline(engine, batch, context, args.bandwidth)
+        tok_s = statistics.median(runs)
+        print(json.dumps(dict(label=args.label, geometry=args.geometry, batch=batch,
+                              decode_tok_s=round(tok_s, 1), runs=[round(r, 1) for r in runs],
+                              roofline_tok_s=round(top, 1), roofline_frac=round(tok_s / top, 3),
+                              graphs=graphs, load_s=round(load_s, 1),
+                              gpu=torch.cuda.get_device_name())), flush=True)  # fmt: skip
+    lengths = [int(x) for x in args.new_lengths.split(",") if x]
+    if lengths:  # warm the allocator past every length, so only shapes are new
+        new_length_prefills(engine, [max(lengths) + 64], vocab)
+    for row in new_length_prefills(engine, lengths, vocab) if lengths else []:
+        print(json.dumps(dict(label=args.label, geometry=args.geometry, **row)), flush=True)
+    if args.profile_batch:
+        profile_steps(engine, args.profile_batch, args.prompt_len, vocab)
+    if args.profile_new_length:
+        profile_new_length(engine, args.profile_new_length, vocab)
+
+
+if __name__ == "__main__":
+    main()
