@@ -58,6 +58,8 @@ class ModelArgs:
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)
     rope_parameters: dict[str, Any] = field(default_factory=dict)
+    # load option, not a config key: "packed" keeps quantized MoE experts as on disk (gpt-oss MXFP4)
+    moe_weights: str = "packed"
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArgs:

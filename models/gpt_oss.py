@@ -4,8 +4,10 @@ Attention: biases on all four projections, a learned `sinks` logit per head (an 
 column dropped after the softmax), YaRN rope, windows from `config.layer_types` (a window
 includes the current token). MoE: router logits -> top-k -> softmax over those k; experts
 keep transformers' layout (gate_up_proj [E, H, 2I] with gate/up interleaved). Real checkpoints
-ship the experts as MXFP4 `*_blocks`/`*_scales`; `sanitize` dequantises them (bf16 holds every
-MXFP4 value exactly, so no precision is lost before the cast to the serving dtype).
+ship the experts as MXFP4 `*_blocks`/`*_scales`: by default (`moe_weights="packed"`) the model
+keeps those bytes as buffers and ops.moe computes from them (ops/quant/mxfp4.py), so resident
+expert memory is the checkpoint's; `moe_weights="dequantized"` expands them at load to the dense
+layout instead (bf16 holds every MXFP4 value exactly), the reference the packed path must equal.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import ops
 from models.args import ModelArgs as BaseArgs
 from models.layers import Attention, CausalLM, DecoderLayer
 from models.mxfp4 import dequantize_mxfp4_weights
+from ops.quant.mxfp4 import Mxfp4Experts, check_mxfp4
+
+MXFP4_GROUP = 32
 
 
 @dataclass
@@ -35,6 +40,13 @@ class ModelArgs(BaseArgs):
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     attention_bias: bool = True
+    quantization_config: dict | None = None
+
+    @property
+    def has_packed_experts(self) -> bool:
+        """True when the checkpoint's experts are MXFP4 and the load keeps them packed."""
+        method = (self.quantization_config or {}).get("quant_method")
+        return method == "mxfp4" and self.moe_weights == "packed"
 
 
 class Router(nn.Module):
@@ -48,10 +60,32 @@ class Experts(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         e, h, i = args.num_local_experts, args.hidden_size, args.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))  # [E, H, 2I] interleaved gate/up
+        self.is_packed = args.has_packed_experts
+        if self.is_packed:  # MXFP4 as on disk: [E, out, in/32, 16] codes, [E, out, in/32] exponents
+            for name, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+                groups = cols // MXFP4_GROUP
+                self.register_buffer(
+                    f"{name}_blocks", torch.empty(e, rows, groups, 16, dtype=torch.uint8)
+                )
+                self.register_buffer(
+                    f"{name}_scales", torch.empty(e, rows, groups, dtype=torch.uint8)
+                )
+        else:
+            self.gate_up_proj = nn.Parameter(
+                torch.empty(e, h, 2 * i)
+            )  # [E, H, 2I] gate/up interleaved
+            self.down_proj = nn.Parameter(torch.empty(e, i, h))  # [E, I, H]
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
-        self.down_proj = nn.Parameter(torch.empty(e, i, h))  # [E, I, H]
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+
+    def weights(self):
+        """(gate_up, down) as ops.moe takes them: dense tensors or `Mxfp4Experts`."""
+        if not self.is_packed:
+            return self.gate_up_proj, self.down_proj
+        return (
+            Mxfp4Experts(self.gate_up_proj_blocks, self.gate_up_proj_scales),
+            Mxfp4Experts(self.down_proj_blocks, self.down_proj_scales),
+        )
 
 
 class MoE(nn.Module):
@@ -66,13 +100,14 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, H]
         ex = self.experts
+        gate_up, down = ex.weights()
         out = ops.moe_gpt_oss(
             tokens,
             self.router.weight,
             self.router.bias,
-            ex.gate_up_proj,
+            gate_up,
             ex.gate_up_proj_bias,
-            ex.down_proj,
+            down,
             ex.down_proj_bias,
             top_k=self.top_k,
             limit=self.limit,
@@ -93,5 +128,13 @@ class Model(CausalLM):
 
 
 def sanitize(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Dequantise MXFP4 expert tensors (`<name>_blocks` + `<name>_scales` -> `<name>`)."""
-    return dequantize_mxfp4_weights(weights, torch.bfloat16)
+    """Packed: check each MXFP4 `<name>_blocks` / `<name>_scales` pair and keep it as is.
+    Dequantized: replace each pair by the dense `<name>` tensor."""
+    if not args.has_packed_experts:
+        return dequantize_mxfp4_weights(weights, torch.bfloat16)
+    for key in [k for k in weights if k.endswith("_blocks")]:
+        scale_key = key.removesuffix("_blocks") + "_scales"
+        if scale_key not in weights:
+            raise ValueError(f"MXFP4 tensor {key!r} has no matching {scale_key!r}")
+        check_mxfp4(key, weights[key], weights[scale_key])
+    return weights

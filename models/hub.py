@@ -121,6 +121,8 @@ def _check_local(path: Path, flag: str, *, needs_weights: bool, hub_id: str | No
         return path
     if not (path / "config.json").is_file():
         ggufs = sorted(p.name for p in path.glob(f"*{GGUF_SUFFIX}"))
+        if len(ggufs) == 1:  # a folder holding one GGUF checkpoint (models/gguf_loader.py)
+            return path / ggufs[0]
         hint = f"; for a GGUF checkpoint pass the file ({ggufs[0]})" if ggufs else ""
         raise ModelLoadError(f"{flag} {where} has no config.json (not a Hugging Face folder){hint}")
     if needs_weights:

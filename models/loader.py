@@ -24,6 +24,7 @@ from bridge import resolve_device
 from models import safetensors_io, weight_checks
 from models.errors import ModelLoadError
 from models.layers import fuse_projections
+from models.quantize import QUANTIZATIONS, quantize_linears
 from models.registry import get_family
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,10 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ALLOWED_DTYPES = ("auto", *DTYPES)
 LOAD_FORMATS = ("safetensors", "dummy")
+MOE_WEIGHTS = ("packed", "dequantized")  # quantized MoE experts: as on disk, or expanded at load
 DUMMY_STD = 0.02
 DUMMY_SEED = 0
+DUMMY_MXFP4_SCALE = 120  # 2^-7: E2M1 codes (|v| <= 6) times it have a std near DUMMY_STD
 # tensors some checkpoints carry that are recomputed here, never loaded
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -55,13 +58,19 @@ def load_model(
     device: str | torch.device,
     dtype: str = "auto",
     load_format: str = "safetensors",
+    moe_weights: str = "packed",
+    quantization: str = "auto",
     shard=None,
 ) -> LoadedModel:
     """Load the HF folder at `path` onto `device`.
 
     dtype: "auto" (config `dtype`/`torch_dtype`, else the checkpoint's), "float32", "bfloat16",
     "float16". load_format: "safetensors", or "dummy" for seeded random weights built from the
-    config alone (benchmarking a geometry without its checkpoint). shard: a tensor-parallel plan
+    config alone (benchmarking a geometry without its checkpoint). moe_weights: "packed" keeps
+    MXFP4 experts as on disk (gpt-oss), "dequantized" expands them to `dtype` at load (the
+    reference). quantization: "auto" (what the checkpoint holds: a GGUF's Q4/Q8 types, else
+    none), "none", or "int8" / "int4" weight-only linears (models/quantize.py). `path` may also be
+    a GGUF file or a folder holding one (models/gguf_loader.py). shard: a tensor-parallel plan
     (torch_runner/distributed/shard.py) whose `prepare(model)` reshapes the meta model to one
     rank's part and whose `shard_tensor(name, tensor)` slices each checkpoint tensor to it, so
     only that part is copied. Raises ModelLoadError.
@@ -74,7 +83,18 @@ def load_model(
         raise ModelLoadError(
             f"load_format={load_format!r} is not supported; allowed values: {', '.join(LOAD_FORMATS)}"
         )
+    if moe_weights not in MOE_WEIGHTS:
+        raise ModelLoadError(
+            f"moe_weights={moe_weights!r} is not supported; allowed values: {', '.join(MOE_WEIGHTS)}"
+        )
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"quantization={quantization!r} is not supported; allowed values: "
+            f"{', '.join(QUANTIZATIONS)}"
+        )
     path = Path(path).expanduser()
+    if (gguf_file := _gguf_file(path)) is not None:  # GGUF checkpoints: models/gguf_loader.py
+        return _load_gguf(gguf_file, device=device, dtype=dtype, quantization=quantization)
     if not path.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} does not exist or is not a directory")
     raw = read_config(path)
@@ -85,6 +105,7 @@ def load_model(
         args = family.ModelArgs.from_hf_config(hf_config)
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
+    args.moe_weights = moe_weights
     files = safetensors_io.checkpoint_files(path) if load_format == "safetensors" else []
     target_dtype = resolve_dtype(dtype, raw, files)
     torch_device = resolve_device(device)
@@ -118,6 +139,8 @@ def load_model(
     model.to(torch_device)  # the non-persistent rope tables were built on CPU
     model.eval().requires_grad_(False)
     fuse_projections(model)  # q/k/v and gate/up as one matmul each; the state dict is unchanged
+    if quantization not in ("none", "auto"):  # auto: the checkpoint's own (GGUF); else none
+        _quantize(model, quantization, torch_device, target_dtype)
     generation_config = read_generation_config(path)
     logger.info(
         "loaded %s (%s) from %s on %s as %s",
@@ -135,6 +158,35 @@ def load_model(
         eos_token_ids=eos_token_ids(generation_config, raw),
         generation_config=generation_config,
     )
+
+
+def _gguf_file(path: Path):
+    from models.gguf_loader import find_gguf
+
+    return find_gguf(path)
+
+
+def _load_gguf(file: Path, **kwargs) -> LoadedModel:
+    from models.gguf_loader import load_gguf_model
+
+    return load_gguf_model(file, **kwargs)
+
+
+def check_quantization_runs(mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    """A ModelLoadError when this torch build cannot run `mode` for `dtype` on `device`."""
+    from ops.quant.int_linear import can_run
+
+    reason = can_run(mode, device.type, dtype)
+    if reason is not None:
+        raise ModelLoadError(
+            f"quantization={mode!r} cannot run on {device.type} with dtype {dtype} in this torch "
+            f"build ({reason})"
+        )
+
+
+def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    check_quantization_runs(mode, device, dtype)
+    quantize_linears(model, mode)
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -228,13 +280,20 @@ def dummy_weights(
     *,
     norm_value: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """Seeded random weights: norms `norm_value`, biases 0, everything else N(0, 0.02)."""
+    """Seeded random weights: norms `norm_value`, biases 0, MXFP4 bytes uniform with scale 2^-7,
+    everything else N(0, 0.02)."""
     generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
     weights = {}
     for name, shape in expected.items():
         leaf = name.rsplit(".", 2)
         if "norm" in leaf[-2] and leaf[-1] == "weight":
             weights[name] = torch.full(shape, norm_value, dtype=dtype, device=device)
+        elif name.endswith("_blocks"):  # packed MXFP4 codes: uniform random bytes
+            weights[name] = torch.randint(
+                0, 256, shape, dtype=torch.uint8, device=device, generator=generator
+            )
+        elif name.endswith("_scales"):  # MXFP4 exponents: values of magnitude ~DUMMY_STD
+            weights[name] = torch.full(shape, DUMMY_MXFP4_SCALE, dtype=torch.uint8, device=device)
         elif name.endswith("bias"):
             weights[name] = torch.zeros(shape, dtype=dtype, device=device)
         else:

@@ -46,9 +46,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x [..., in] @ weight.T + bias -> [..., out], for a dense or a packed (`pack_weight`) weight."""
+    """x [..., in] @ weight.T + bias -> [..., out], for a dense, a packed (`pack_weight`) or a
+    weight-only int8 / int4 weight (ops/quant/int_linear.py)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.is_quantized:  # QuantizedLinearWeight (plain tensors answer False)
+        return weight.linear(x, bias)
     return F.linear(x, weight, bias)
 
 
@@ -60,4 +63,6 @@ def linear_add(
     rounded once either way), which saves a pass and a kernel call per residual branch."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+    if weight.is_quantized:
+        return weight.linear(x, bias).add_(residual)
     return F.linear(x, weight, bias).add_(residual)

@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ops.quant.mxfp4 import Mxfp4Experts, moe_gpt_oss_mxfp4
+
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
@@ -140,6 +142,11 @@ def moe_gpt_oss(
     g * sigmoid(alpha * g) with g = clamp(gate, max=limit).
     """
     check_tokens("moe_gpt_oss", x, top_k, router_weight.shape[0])
+    if isinstance(gate_up_proj, Mxfp4Experts):  # packed MXFP4 experts: ops/quant/mxfp4.py
+        return moe_gpt_oss_mxfp4(
+            x, router_weight, router_bias, gate_up_proj, gate_up_proj_bias, down_proj,
+            down_proj_bias, top_k=top_k, limit=limit, alpha=alpha,
+        )  # fmt: skip
     logits = F.linear(x, router_weight, router_bias)  # [T, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
     scores = torch.softmax(top_val, dim=-1)

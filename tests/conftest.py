@@ -24,3 +24,25 @@ def llama(tmp_path_factory):
         "llama", tmp_path_factory.mktemp("llama"), initializer_range=0.5
     )
     return str(path), hf
+
+
+@pytest.fixture(scope="session")
+def harmony_tokenizer_dir(tmp_path_factory):
+    """gpt-oss's real tokenizer (o200k_harmony, from quicktok-v1's offline data), saved once."""
+    from harmony_tokenizer import save_harmony_tokenizer
+
+    return save_harmony_tokenizer(tmp_path_factory.mktemp("harmony_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def harmony_encoding(harmony_tokenizer_dir, tmp_path_factory):
+    """openai-harmony's encoding, loaded without network from that tokenizer (as the server does)."""
+    from transformers import AutoTokenizer
+
+    from torch_runner.serve.reasoning import harmony_encoding as loader
+
+    tokenizer = AutoTokenizer.from_pretrained(str(harmony_tokenizer_dir))
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv(loader.ENCODINGS_ENV, raising=False)
+        env.setenv("TORCH_RUNNER_CACHE_DIR", str(tmp_path_factory.mktemp("harmony_cache")))
+        return loader.load_harmony_encoding(tokenizer)

@@ -158,6 +158,7 @@ class ThreadedServer:
         max_choices: int = 128,
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
+        reasoning_parser: str = "auto",
         **engine_kwargs,
     ):
         import threading
@@ -185,6 +186,7 @@ class ThreadedServer:
             max_choices=max_choices,
             chat_template=chat_template,
             tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
         )
         self.state = state
         self.port = free_port()

@@ -138,6 +138,8 @@ def test_gguf_file_passes_through(tmp_path):
     folder_hint = tmp_path / "only-gguf"
     folder_hint.mkdir()
     (folder_hint / "m.gguf").write_bytes(b"GGUF")
+    assert resolve_model(folder_hint) == folder_hint / "m.gguf"  # a folder holding one GGUF
+    (folder_hint / "n.gguf").write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match="pass the file \\(m.gguf\\)"):
         resolve_model(folder_hint)
 

@@ -1,4 +1,4 @@
-"""MXFP4 gpt-oss experts: dequantisation and a real-layout checkpoint.
+"""MXFP4 gpt-oss experts: dequantisation, a real-layout checkpoint, and experts kept packed.
 
 Oracles: a pure-Python per-element decoder written from the format description (low nibble =
 even element, scale 2^(s-127), FP4 E2M1 table), transformers' own `convert_moe_packed_tensors`,
@@ -99,7 +99,7 @@ def test_mxfp4_checkpoint_matches_transformers_dequantised_model(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    ours = models.load_model(path, device="cpu", dtype="float32")
+    ours = models.load_model(path, device="cpu", dtype="float32", moe_weights="dequantized")
     for layer_idx, hf_layer in enumerate(hf.model.layers):
         our_experts = ours.model.model.layers[layer_idx].mlp.experts
         assert torch.equal(our_experts.gate_up_proj, hf_layer.mlp.experts.gate_up_proj.float())
@@ -108,3 +108,92 @@ def test_mxfp4_checkpoint_matches_transformers_dequantised_model(tmp_path):
     want = hf(ids).logits
     got = ours.model.compute_logits(ours.model(ids, torch.arange(64)[None], None))
     assert (got - want).abs().max().item() < 1e-4
+
+
+def _logits(loaded, ids):
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return loaded.model.compute_logits(loaded.model(ids, positions, None))
+
+
+def _tensor_bytes(module):
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_experts_equal_the_dequantised_reference(tmp_path, dtype):
+    path = write_mxfp4_gpt_oss(tmp_path)
+    packed = models.load_model(path, device="cpu", dtype=dtype)
+    dense = models.load_model(path, device="cpu", dtype=dtype, moe_weights="dequantized")
+    experts = packed.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj_blocks.dtype == torch.uint8
+    assert not hasattr(experts, "gate_up_proj")  # no dense copy anywhere
+    ids = torch.randint(3, VOCAB_SIZE, (2, 48), generator=torch.Generator().manual_seed(4))
+    got, want = _logits(packed, ids), _logits(dense, ids)
+    assert got.dtype == want.dtype
+    assert torch.equal(got, want)  # the CPU path multiplies exactly as the reference does
+
+
+def test_packed_model_weights_are_the_checkpoint_size(tmp_path):
+    """Resident weights of the packed model are the checkpoint's bytes (same dtype: fp32 tiny
+    model); the dequantised reference is larger by the expanded experts."""
+    path = write_mxfp4_gpt_oss(tmp_path)
+    on_disk = (path / "model.safetensors").stat().st_size
+    packed = models.load_model(path, device="cpu", dtype="float32").model
+    dense = models.load_model(path, device="cpu", dtype="float32", moe_weights="dequantized").model
+    assert _tensor_bytes(packed) <= 1.1 * on_disk
+    assert _tensor_bytes(dense) > 1.5 * on_disk
+
+
+def test_scales_of_the_wrong_shape_are_an_error_naming_the_tensor(tmp_path):
+    from safetensors.torch import load_file
+
+    path = write_mxfp4_gpt_oss(tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][:, :, :-1].contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(models.ModelLoadError, match="model.layers.1.mlp.experts.down_proj_blocks"):
+        models.load_model(path, device="cpu", dtype="float32")
+
+
+def test_unknown_moe_weights_value_is_an_error_listing_the_allowed(tmp_path):
+    path = write_mxfp4_gpt_oss(tmp_path)
+    with pytest.raises(models.ModelLoadError, match="moe_weights='int3'.*packed, dequantized"):
+        models.load_model(path, device="cpu", moe_weights="int3")
+
+
+def test_engine_greedy_with_packed_experts_equals_transformers(tmp_path):
+    from engine_helpers import byte_tokenizer, hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    from torch_runner import Engine, SamplingParams
+
+    path = write_mxfp4_gpt_oss(tmp_path)
+    byte_tokenizer().save_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    engine = Engine(str(path), device="cpu", dtype="float32", max_total_tokens=512, block_size=4)
+    prompts = [[5, 6, 7], list(range(20, 45))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 12)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_experts_on_cuda_equal_the_dequantised_reference(tmp_path):
+    """Each layer's MoE of the packed model on CUDA (the Triton kernel) against the same layer of
+    the dequantised model, on the same hidden states."""
+    path = write_mxfp4_gpt_oss(tmp_path)
+    packed = models.load_model(path, device="cuda", dtype="float32").model
+    dense = models.load_model(path, device="cuda", dtype="float32", moe_weights="dequantized").model
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for ours, ref in zip(packed.model.layers, dense.model.layers):
+        assert ours.mlp.experts.gate_up_proj_blocks.is_cuda
+        hidden = torch.randn(2, 24, packed.args.hidden_size, device="cuda", generator=gen)
+        want = ref.mlp(hidden)
+        scale = want.abs().max().item()
+        torch.testing.assert_close(ours.mlp(hidden) / scale, want / scale, rtol=0, atol=1e-5)

@@ -244,3 +244,32 @@ def test_bad_model_input_exits_2_in_one_line_before_loading(hub_home, flags, exp
     line = _one_error_line(_run_cli("--device", "cpu", *flags, env=env))
     assert expected in line, line
     assert "could not start the engine" not in line  # refused before the engine loads
+
+
+def test_reasoning_parser_flag_takes_vllm_names(run_main):
+    args = build_parser().parse_args([])
+    assert args.reasoning_parser == "auto"
+    assert "--reasoning-parser" in build_parser().format_help()
+    for name in ("qwen3", "deepseek_r1", "openai_gptoss", "none"):
+        assert build_parser().parse_args(["--reasoning-parser", name]).reasoning_parser == name
+    code, stderr = run_main("--reasoning-parser", "gptoss")
+    assert code == 2 and "--reasoning-parser" in stderr and "openai_gptoss" in stderr
+
+
+def test_harmony_parser_on_a_model_without_harmony_exits_naming_the_flag(run_main, llama, tmp_path):
+    """The tiny Llama's byte tokenizer is no o200k_harmony: refused at start-up, in one line."""
+    path, _ = llama
+    code, stderr = run_main(
+        "--model", path, "--device", "cpu", "--reasoning-parser", "openai_gptoss",
+        env={"TORCH_RUNNER_CACHE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert code == 2
+    assert "--reasoning-parser openai_gptoss" in stderr and "--reasoning-parser none" in stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--quantization", "int3"), ("--moe-weights", "fp4")])
+def test_unknown_quantization_flags_exit_naming_value_and_choices(run_main, flag, value):
+    code, stderr = run_main("--model", MISSING_MODEL, flag, value)
+    assert code == 2
+    assert value in stderr and flag in stderr
+    assert MISSING_MODEL not in stderr

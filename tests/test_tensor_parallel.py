@@ -103,6 +103,7 @@ def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path, monkeypatch):
         (dict(tensor_parallel_size=3), "llama", "must divide num_attention_heads (4)"),
         (dict(tensor_parallel_size=2), "gemma3_text", "not supported for model_type 'gemma3_text'"),
         (dict(tensor_parallel_size=2, swa_kv="windowed"), "llama", "swa_kv='windowed'"),
+        (dict(tensor_parallel_size=2, quantization="int8"), "llama", "quantization='int8'"),
     ],
 )
 def test_bad_combinations_fail_before_any_rank_starts(tmp_path, overrides, model_type, message):
@@ -110,6 +111,18 @@ def test_bad_combinations_fail_before_any_rank_starts(tmp_path, overrides, model
     with pytest.raises(ValueError) as info:
         Engine(str(path), **{**ENGINE_KWARGS, **overrides})
     assert message in str(info.value)
+    assert not multiprocessing.active_children()
+
+
+def test_packed_mxfp4_experts_are_refused_before_any_rank_starts(tmp_path):
+    import json
+
+    path, _ = save_engine_checkpoint("gpt_oss", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="moe_weights='packed' is not supported"):
+        Engine(str(path), tensor_parallel_size=2, **ENGINE_KWARGS)
     assert not multiprocessing.active_children()
 
 

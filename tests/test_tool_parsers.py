@@ -273,14 +273,13 @@ def test_random_marker_soup_streams_like_parse(name):
 def test_only_auto_with_a_special_token_parser_keeps_special_tokens():
     from types import SimpleNamespace
 
+    from torch_runner.serve.chat_format import ChatFormat
     from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
     from torch_runner.serve.tools import ToolPlan
 
     functions = [{"name": "f"}]
-    mistral = SimpleNamespace(
-        tool_parser_name="mistral", reasoning_parser_name=None, tokenizer=None
-    )
-    hermes = SimpleNamespace(tool_parser_name="hermes", reasoning_parser_name=None, tokenizer=None)
+    mistral = SimpleNamespace(tool_parser_name="mistral", chat_format=ChatFormat(), tokenizer=None)
+    hermes = SimpleNamespace(tool_parser_name="hermes", chat_format=ChatFormat(), tokenizer=None)
     assert keeps_special_tokens(mistral, ToolPlan(functions, "auto"))
     assert not keeps_special_tokens(mistral, ToolPlan(functions, "required"))
     assert not keeps_special_tokens(mistral, ToolPlan(functions, "none"))

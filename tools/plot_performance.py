@@ -42,11 +42,11 @@ def grouped_bars(data: dict, title: str, ylabel: str, path: Path, log: bool = Fa
     groups = list(data)
     series = list(next(iter(data.values())))
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, name in enumerate(series):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [data[g][name] for g in groups], width, label=name)
-    ax.set_xticks(range(len(groups)), groups)
+    ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if log:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALLOWED_WEIGHT_PACKING = ("auto", "off")
+ALLOWED_MOE_WEIGHTS = ("packed", "dequantized")  # models.loader.MOE_WEIGHTS
+ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4")  # models.quantize.QUANTIZATIONS
 ALLOWED_SWA_KV = ("auto", "windowed", "paged")
 
 
@@ -51,6 +53,8 @@ class EngineConfig:
     max_waiting: int = 1024
     max_cached_windows: int = 64  # SWA prefix-cache window snapshots kept (LRU)
     weight_packing: str = "auto"  # auto: oneDNN-packed matmul weights on CPU; off: dense
+    moe_weights: str = "packed"  # MXFP4 experts as on disk; "dequantized": expanded at load
+    quantization: str = "auto"  # auto: the checkpoint's (GGUF Q4 -> int4, Q8_0 -> int8), else none
     enforce_eager: bool = False  # True: never capture CUDA graphs for decode
     cuda_graph_max_bs: int = 64  # decode batches above this size run eagerly
     # sliding-window KV: "windowed" per-request buffers (least memory), "paged" in the pool with
@@ -100,6 +104,16 @@ class EngineConfig:
             raise ValueError(
                 f"weight_packing={self.weight_packing!r} is invalid; allowed values: "
                 f"{', '.join(ALLOWED_WEIGHT_PACKING)}"
+            )
+        if self.moe_weights not in ALLOWED_MOE_WEIGHTS:
+            raise ValueError(
+                f"moe_weights={self.moe_weights!r} is invalid; allowed values: "
+                f"{', '.join(ALLOWED_MOE_WEIGHTS)}"
+            )
+        if self.quantization not in ALLOWED_QUANTIZATION:
+            raise ValueError(
+                f"quantization={self.quantization!r} is invalid; allowed values: "
+                f"{', '.join(ALLOWED_QUANTIZATION)}"
             )
         if self.swa_kv not in ALLOWED_SWA_KV:
             raise ValueError(

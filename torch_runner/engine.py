@@ -94,8 +94,15 @@ class Engine:
         from transformers import AutoTokenizer
 
         tp = self.tensor_parallel
-        loaded = load_model(path, device=config.device, dtype=config.dtype,
-                            load_format=config.load_format, shard=tp and tp.plan)  # fmt: skip
+        loaded = load_model(
+            path,
+            device=config.device,
+            dtype=config.dtype,
+            load_format=config.load_format,
+            moe_weights=config.moe_weights,
+            quantization=config.quantization,
+            shard=tp and tp.plan,
+        )
         self.model_path = str(loaded.path)
         self.args = loaded.args
         self.device = next(loaded.model.parameters()).device

@@ -13,6 +13,7 @@ import torch
 
 from bridge import MlxTensorView, mlx_call
 from ops.moe import check_tokens
+from ops.quant.mxfp4 import Mxfp4Experts
 
 
 def _top_k(scores, k: int):
@@ -97,6 +98,13 @@ def moe_gpt_oss(
 ) -> torch.Tensor:
     """Same contract as ops.moe.moe_gpt_oss; one MLX crossing."""
     _check("moe_gpt_oss", x, top_k, router_weight)
+    if isinstance(gate_up_proj, Mxfp4Experts):  # packed experts: MLX's mxfp4 kernels
+        from ops.mlx.mxfp4 import moe_gpt_oss_mxfp4
+
+        return moe_gpt_oss_mxfp4(
+            x, router_weight, router_bias, gate_up_proj, gate_up_proj_bias, down_proj,
+            down_proj_bias, top_k=top_k, limit=limit, alpha=alpha,
+        )  # fmt: skip
     return mlx_call(
         moe_gpt_oss_mx,
         x,

@@ -39,7 +39,24 @@ def check_launch(config, path: str) -> None:
     from pathlib import Path
 
     size = config.tensor_parallel_size
-    check_shardable(read_config(Path(path)), size)
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(
+            f"tensor_parallel_size={size} needs a safetensors model folder; {path!r} is not one "
+            "(GGUF files do not shard yet)"
+        )
+    if config.quantization not in ("auto", "none"):
+        raise ValueError(
+            f"quantization={config.quantization!r} is not supported with tensor_parallel_size="
+            f"{size} yet; allowed values: auto, none"
+        )
+    raw = read_config(Path(path))
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method == "mxfp4" and config.moe_weights == "packed":
+        raise ValueError(
+            f"moe_weights='packed' is not supported with tensor_parallel_size={size} yet (MXFP4 "
+            "experts shard once dequantized); allowed values: dequantized"
+        )
+    check_shardable(raw, size)
     if resolve_device(config.device).type == "cuda" and torchrun_env() is None:
         count = torch.cuda.device_count()
         if size > count:

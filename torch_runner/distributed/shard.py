@@ -131,6 +131,8 @@ class ShardPlan:
         """MoE split within every expert (each rank: all experts, 1/N of their intermediate);
         the router is replicated, so every rank routes each token to the same experts."""
         ex, prefix = moe.experts, f"{name}.experts"
+        if getattr(ex, "is_packed", False):  # launch.check_launch refuses these first
+            raise ValueError("packed MXFP4 experts do not shard yet; load them dequantized")
 
         def resize(attr: str, dim: int, factor: float) -> None:
             shape = list(getattr(ex, attr).shape)

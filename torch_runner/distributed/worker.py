@@ -50,7 +50,8 @@ def run_worker(config, path: str, rank: int, size: int, init: str, local_rank: i
     plan = ShardPlan(rank, size, group)
     try:
         loaded = load_model(path, device=device, dtype=config.dtype,
-                            load_format=config.load_format, shard=plan)  # fmt: skip
+                            load_format=config.load_format, moe_weights=config.moe_weights,
+                            quantization=config.quantization, shard=plan)  # fmt: skip
         num_blocks = group.receive()
         dtype = next(loaded.model.parameters()).dtype
         runner = ModelRunner(loaded, config, num_blocks, device, dtype, tensor_parallel=plan)

@@ -82,6 +82,14 @@ def group_chunks(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
     return groups
 
 
+def _has_quantized_linears(model) -> bool:
+    """True when models/quantize.py replaced the linears (`--quantization`, or a quantized GGUF)."""
+    lm_head = getattr(model, "lm_head", None)
+    return bool(getattr(getattr(lm_head, "weight", None), "is_quantized", False)) or any(
+        getattr(getattr(m, "qkv_weight", None), "is_quantized", False) for m in model.modules()
+    )
+
+
 class ModelRunner:
     """Owns the model, the paged pool and the per-request SWA caches."""
 
@@ -98,8 +106,11 @@ class ModelRunner:
         self.model = loaded.model
         # a ShardPlan (torch_runner/distributed): this rank's KV heads, logits gathered over ranks
         self.tensor_parallel = tensor_parallel
-        self.is_packed = (
-            device.type == "cpu" and config.weight_packing == "auto" and ops.can_pack(dtype)
+        self.is_packed = (  # quantized linears use their own kernels (ops/quant/int_linear.py)
+            device.type == "cpu"
+            and config.weight_packing == "auto"
+            and not _has_quantized_linears(self.model)
+            and ops.can_pack(dtype)
         )
         if self.is_packed:  # oneDNN-packed matmul weights (ops/linear.py): faster CPU decode
             pack_linear_weights(self.model)

@@ -3,6 +3,8 @@
 Each choice's output goes through one `OutputParser` (serve/output_parsers.py) into content,
 reasoning_content and tool_calls: `parse` for the JSON answer, `feed`/`finish` for the stream, so
 the two agree. A message with calls that ended naturally has finish_reason "tool_calls".
+gpt-oss (`state.chat_format.is_harmony`) is rendered by openai-harmony instead of a template,
+stops at <|return|> / <|call|>, and its forced calls are harmony messages (serve/chat_format.py).
 """
 
 from __future__ import annotations
@@ -13,17 +15,27 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from torch_runner.serve.errors import InvalidRequestError
+from torch_runner.serve.chat_format import (
+    check_template_kwargs,
+    continuation_field,
+    harmony_effort,
+)
+from torch_runner.serve.errors import InvalidRequestError, param_error
 from torch_runner.serve.generation import (
     Choice,
     Increment,
     run_choices,
     usage_of,
 )
+from torch_runner.serve.harmony_tools import (
+    WRAPPED_KINDS,
+    harmony_call_grammar,
+    harmony_final_grammar,
+)
 from torch_runner.serve.logprobs import chat_logprobs, message_token_count
 from torch_runner.serve.offload import json_response
 from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
-from torch_runner.serve.params import chat_fields
+from torch_runner.serve.params import chat_fields, structured_spec
 from torch_runner.serve.parsing import DeltaMessage, OutputParser
 from torch_runner.serve.prompts import chat_prompt, check_context
 from torch_runner.serve.protocol import (
@@ -40,9 +52,13 @@ from torch_runner.serve.protocol import (
     ToolCallDeltaOut,
     ToolCallOut,
 )
+from torch_runner.serve.reasoning.harmony_prompt import HarmonyPromptError, render_harmony_prompt
 from torch_runner.serve.sse import stream_choices
 from torch_runner.serve.state import ServingState
+from torch_runner.serve.tool_prompt import message_dicts
 from torch_runner.serve.tools import ToolPlan, plan_tools
+
+PROMPT_TAIL_TOKENS = 16  # enough to see the `<think>` a template opens at the very end
 
 
 def _param_names(body: ChatCompletionRequest) -> dict[str, str]:
@@ -60,15 +76,7 @@ async def create_chat_completion(
     fields = await state.offload(chat_fields, body, state.vocab_size)
     plan = plan_tools(body)
     _apply_tool_plan(state, plan, fields)
-    prompt_ids = await state.offload(
-        chat_prompt,
-        state.tokenizer,
-        body.messages,
-        plan.offered,
-        state.chat_template,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-    )
+    prompt_ids, prompt_tail = await state.offload(_render_prompt, state, body, plan)
     max_name = _param_names(body)["max_tokens"]
     check_context(len(prompt_ids), fields["max_tokens"], state.max_model_len, "messages", max_name)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -85,24 +93,76 @@ async def create_chat_completion(
     model = body.model or state.model_name
 
     if body.stream:
-        return await _stream(state, body, http, choices, request_id, model, plan)
+        return await _stream(state, body, http, choices, request_id, model, plan, prompt_tail)
     if not await run_choices(http, state.engine, choices, on_close=lambda: state.record(choices)):
         return Response(status_code=499)
     response = await state.offload(
         lambda: ChatCompletionResponse(
             id=request_id,
             model=model,
-            choices=[_final_choice(state, body, choice, plan) for choice in choices],
+            choices=[_final_choice(state, body, choice, plan, prompt_tail) for choice in choices],
             usage=usage_of(choices),
         )
     )
     return await state.offload(json_response, response)
 
 
+def _render_prompt(
+    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan
+) -> tuple[list[int], str]:
+    """Prompt ids, and the text of its last tokens (did the template leave `<think>` open?)."""
+    chat_format = state.chat_format
+    template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+    if chat_format.is_harmony:
+        return _harmony_prompt(state, body, plan, template_kwargs), ""
+    if body.reasoning_effort is not None:
+        template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    ids = chat_prompt(
+        state.tokenizer,
+        body.messages,
+        plan.offered,
+        state.chat_template,
+        template_kwargs=template_kwargs,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+    )
+    if not chat_format.reasoning_parser:
+        return ids, ""
+    return ids, state.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
+
+
+def _harmony_prompt(
+    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan, template_kwargs: dict
+) -> list[int]:
+    """gpt-oss: openai-harmony renders the prompt (see harmony_effort for what it accepts)."""
+    continuation = continuation_field(body.add_generation_prompt, body.continue_final_message)
+    effort = harmony_effort(template_kwargs, body.reasoning_effort, continuation)
+    try:
+        return render_harmony_prompt(
+            state.chat_format.harmony_encoding, message_dicts(body.messages), plan.offered, effort
+        )
+    except HarmonyPromptError as exc:
+        raise param_error(exc) from None
+
+
 def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
-    """Forced tool choices constrain the output; some auto parsers need special tokens kept."""
-    if plan.is_forced:
+    """Forced tool choices constrain the output; some auto parsers need special tokens kept.
+
+    gpt-oss: forced calls are harmony call messages, a response_format is the body of a final
+    message, and <|return|> / <|call|> end a turn."""
+    chat_format = state.chat_format
+    if chat_format.is_harmony:
+        stops = set(fields.get("stop_token_ids") or []) | set(chat_format.stop_token_ids)
+        fields["stop_token_ids"] = sorted(stops)
+    if plan.is_forced and chat_format.is_harmony:
+        names = [plan.named] if plan.choice == "named" else [f["name"] for f in plan.functions]
+        grammar = harmony_call_grammar(chat_format.harmony_encoding, plan.offered or [], names)
+        fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
+    elif plan.is_forced:
         fields["structured"] = plan.structured_spec()
+    elif chat_format.is_harmony and getattr(fields.get("structured"), "kind", "") in WRAPPED_KINDS:
+        grammar = harmony_final_grammar(chat_format.harmony_encoding, fields["structured"])
+        fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
     try:
         if keeps_special_tokens(state, plan):
             fields["skip_special_tokens"] = False
@@ -110,9 +170,14 @@ def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
         raise InvalidRequestError(str(exc), param="tools") from None
 
 
-def _parser(state: ServingState, plan: ToolPlan) -> OutputParser:
+def _parser(
+    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan, prompt_tail: str
+) -> OutputParser:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
-        return make_output_parser(state, plan)
+        return make_output_parser(
+            state, plan, prompt_tail, stop, bool(body.include_stop_str_in_output)
+        )
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="tools") from None
 
@@ -136,9 +201,13 @@ def _message_tokens(state: ServingState, choice: Choice) -> int:
 
 
 def _final_choice(
-    state: ServingState, body: ChatCompletionRequest, choice: Choice, plan: ToolPlan
+    state: ServingState,
+    body: ChatCompletionRequest,
+    choice: Choice,
+    plan: ToolPlan,
+    prompt_tail: str,
 ) -> ChatChoice:
-    parsed = _parser(state, plan).parse(choice.text, choice.token_ids)
+    parsed = _parser(state, body, plan, prompt_tail).parse(choice.text, choice.token_ids)
     num_tokens = _message_tokens(state, choice)
     calls = [
         ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
@@ -184,9 +253,10 @@ async def _stream(
     request_id: str,
     model: str,
     plan: ToolPlan,
+    prompt_tail: str,
 ) -> Response:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    parsers = {choice.index: _parser(state, plan) for choice in choices}
+    parsers = {choice.index: _parser(state, body, plan, prompt_tail) for choice in choices}
     has_calls = dict.fromkeys(parsers, False)
 
     def chunk(choice_list: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:

@@ -45,6 +45,8 @@ def engine_config(args: argparse.Namespace):
         load_format=args.load_format,
         max_waiting=args.max_waiting,
         weight_packing=args.weight_packing,
+        moe_weights=args.moe_weights,
+        quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         swa_kv=args.swa_kv,

@@ -15,7 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from models.loader import LOAD_FORMATS
-from torch_runner.config import ALLOWED_DTYPES, ALLOWED_SWA_KV
+from torch_runner.config import (
+    ALLOWED_DTYPES,
+    ALLOWED_MOE_WEIGHTS,
+    ALLOWED_QUANTIZATION,
+    ALLOWED_SWA_KV,
+)
 from torch_runner.serve.drain import DEFAULT_SHUTDOWN_TIMEOUT
 from torch_runner.serve.flag_actions import Adder, FlagConflict, adder, flag_const
 from torch_runner.serve.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES
@@ -118,6 +123,24 @@ def model_flags(add: Adder, d: dict[str, Any]) -> None:
         "Default: %(default)s.",
     )
     add(
+        "--quantization",
+        "-q",
+        choices=ALLOWED_QUANTIZATION,
+        default=d["quantization"],
+        help="Weight-only quantization of every dense linear and the lm_head at load: int8 per "
+        "output channel, int4 per 32 input columns (torch's int8/int4 pack kernels); auto: what "
+        "the checkpoint holds (a GGUF's Q4_0/Q4_1 -> int4, Q8_0 -> int8; else none). "
+        "Default: %(default)s.",
+    )
+    add(
+        "--moe-weights",
+        choices=ALLOWED_MOE_WEIGHTS,
+        default=d["moe_weights"],
+        help="packed: MXFP4 MoE experts (gpt-oss) stay as on disk and are computed from directly; "
+        "dequantized: expanded to --dtype at load (3.8x the memory; the reference). "
+        "Default: %(default)s.",
+    )
+    add(
         "--enforce-eager",
         "--disable-cuda-graph",
         action="store_true",
@@ -202,6 +225,16 @@ def _tool_flags(add: Adder) -> None:
         "--enable-auto-tool-choice",
         action="store_true",
         help="Accepted for vLLM compatibility; tool_choice=auto is always on.",
+    )
+    from torch_runner.serve.chat_format import REASONING_PARSER_CHOICES
+
+    add(
+        "--reasoning-parser",
+        default="auto",
+        choices=REASONING_PARSER_CHOICES,
+        help="How reasoning is split from the answer into reasoning_content (vLLM's names; "
+        "docs/serving.md#reasoning). auto: openai_gptoss (harmony) for gpt-oss, qwen3 for a "
+        "chat template that writes </think>, else none. Default: %(default)s.",
     )
 
 

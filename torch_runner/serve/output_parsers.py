@@ -1,9 +1,9 @@
 """One `OutputParser` per choice, from the server's parser names and the request's `ToolPlan`.
 
-The reasoning parser (`state.reasoning_parser_name`, serve/reasoning/) runs first and hands its
-content to the tool parser: `state.tool_parser_name` for `auto`, the forced-JSON parsers for
-`required` and a named function. A family whose one parser does both (gpt-oss harmony: `openai`
-for reasoning and tools) names it twice and gets a single instance.
+The reasoning parser (`state.chat_format`, serve/reasoning/) runs first and hands its content to
+the tool parser: `state.tool_parser_name` for `auto`, the forced-JSON parsers for `required` and
+a named function. gpt-oss harmony is one parser for reasoning, content and calls (its forced
+calls are harmony too: serve/harmony_tools.py), whatever the tool choice.
 """
 
 from __future__ import annotations
@@ -45,20 +45,22 @@ def _family_parser(state: Any) -> type | None:
         return None
 
 
-def _reasoning_parser(state: Any) -> OutputParser | None:
-    name = state.reasoning_parser_name
-    if name is None:
-        return None
-    from torch_runner.serve.reasoning import new_reasoning_parser  # the reasoning registry
-
-    return new_reasoning_parser(name, state.tokenizer)
-
-
-def make_output_parser(state: Any, plan: ToolPlan | None) -> OutputParser:
+def make_output_parser(
+    state: Any,
+    plan: ToolPlan | None,
+    prompt_text: str = "",
+    stop: list[str] | None = None,
+    include_stop_str: bool = False,
+) -> OutputParser:
+    """`prompt_text`: the end of the rendered prompt (a `<think>` the template left open);
+    `stop`, `include_stop_str`: the request's stop strings (harmony applies them to the tokens
+    it parses) and whether they stay in the text."""
+    chat_format = state.chat_format
+    if chat_format.is_harmony:
+        harmony = chat_format.output_parser(prompt_text, stop, include_stop_str)
+        return harmony if plan is None or plan.is_parallel else FirstCallOnly(harmony)
     tools = _tool_parser(state, plan)
-    if tools is not None and state.reasoning_parser_name == state.tool_parser_name:
-        return tools  # one parser for both (harmony)
-    reasoning = _reasoning_parser(state)
+    reasoning = chat_format.output_parser(prompt_text) if chat_format.reasoning_parser else None
     if reasoning is None:
         return tools or PlainParser()
     if tools is None:

@@ -55,6 +55,7 @@ def chat_prompt(
     tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None,
     *,
+    template_kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
@@ -65,7 +66,8 @@ def chat_prompt(
     gets the default tool prompt (serve/tool_prompt.py). The template already writes the special
     tokens, so none are added again by default (`add_special_tokens` is /tokenize's switch, as
     in vLLM). `continue_final_message` (vLLM's) leaves the last assistant message open so the
-    model continues it, instead of starting a new turn.
+    model continues it, instead of starting a new turn. `template_kwargs` (the request's
+    chat_template_kwargs, reasoning_effort) become template variables.
     """
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -73,7 +75,9 @@ def chat_prompt(
             "this model's tokenizer has no chat template; use /v1/completions", param="messages"
         )
     entries = message_dicts(messages)
-    kwargs: dict[str, Any] = {"chat_template": chat_template} if chat_template else {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
+    if chat_template:
+        kwargs["chat_template"] = chat_template
     if template_supports_tools(template):
         if tools:
             kwargs["tools"] = tools

@@ -112,6 +112,9 @@ class ChatMessage(_Request, MessageExtraFields):
     name: str | None = None
     tool_call_id: str | None = Field(None, description="role tool: the id of the call answered.")
     tool_calls: list[MessageToolCall] | None = Field(None, description="role assistant only.")
+    reasoning_content: str | None = Field(
+        None, description="role assistant: the reasoning an earlier answer returned."
+    )
 
 
 class FunctionDefinition(_Request):
@@ -141,6 +144,14 @@ class ChatCompletionRequest(_SamplingFields, VllmExtraFields, VllmChatFields, Op
         'default "auto" with tools, "none" without.',
     )
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call.")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None,
+        description="gpt-oss: low, medium (default) or high, in its system message; other "
+        "models: the chat template's `reasoning_effort` variable.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: extra variables for the chat template (enable_thinking, ...)."
+    )
 
 
 # ----------------------------------------------------------------------------- responses

@@ -65,21 +65,26 @@ def serving_state(
     max_body_bytes: int,
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str = "auto",
     max_choices: int = DEFAULT_MAX_CHOICES,
     sampling_defaults: SamplingDefaults | None = None,
 ):
     """The state the app needs, from a loaded `Engine` and its started `AsyncEngine`.
 
     The tool-call parser is `tool_call_parser` when given, else picked from the model
-    (model_type, then the chat template; see serve/output_parsers.py). `sampling_defaults`
-    None reads the model folder's generation_config.json (`--generation-config auto`).
+    (model_type, then the chat template; see serve/output_parsers.py); the chat format
+    (harmony, a reasoning parser) likewise from `reasoning_parser` (serve/chat_format.py); a
+    ValueError names the flag that cannot work with this model. `sampling_defaults` None reads
+    the model folder's generation_config.json (`--generation-config auto`).
     """
     from torch_runner import SamplingParams
+    from torch_runner.serve.chat_format import select_chat_format
     from torch_runner.serve.output_parsers import default_tool_parser_name
 
     model_type = getattr(getattr(engine, "args", None), "model_type", None)
     template = chat_template or getattr(engine.tokenizer, "chat_template", None)
     parser = tool_call_parser or default_tool_parser_name(model_type, template)
+    chat_format = select_chat_format(engine.tokenizer, model_type, reasoning_parser, template)
     if sampling_defaults is None:
         sampling_defaults = load_sampling_defaults("auto", engine.model_path, SamplingParams)
     return ServingState(
@@ -94,6 +99,7 @@ def serving_state(
         model_type=model_type,
         chat_template=chat_template,
         tool_parser_name=parser,
+        chat_format=chat_format,
         max_choices=max_choices,
         sampling_defaults=sampling_defaults,
         eos_token_ids=frozenset(getattr(engine, "eos_token_ids", ())),
@@ -147,17 +153,22 @@ def run_server(
     async_engine.on_fatal = lambda exc: os.kill(os.getpid(), signal.SIGTERM)
     async_engine.start()
     try:
-        state = serving_state(
-            engine,
-            async_engine,
-            model_name=served_name(args, engine),
-            api_key=args.api_key,
-            max_body_bytes=args.max_body_bytes,
-            chat_template=chat_template,
-            tool_call_parser=args.tool_call_parser,
-            max_choices=args.max_choices_per_request,
-            sampling_defaults=sampling_defaults,
-        )
+        try:
+            state = serving_state(
+                engine,
+                async_engine,
+                model_name=served_name(args, engine),
+                api_key=args.api_key,
+                max_body_bytes=args.max_body_bytes,
+                chat_template=chat_template,
+                tool_call_parser=args.tool_call_parser,
+                max_choices=args.max_choices_per_request,
+                reasoning_parser=args.reasoning_parser,
+                sampling_defaults=sampling_defaults,
+            )
+        except ValueError as exc:  # a --reasoning-parser this model cannot use
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         app = create_app(state)
         url = f"http://{args.host}:{sock.getsockname()[1]}"
         print(banner(state, engine, ops.backends(), url), flush=True)

@@ -6,6 +6,7 @@ import hmac
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_runner.serve.chat_format import ChatFormat
 from torch_runner.serve.drain import Drain
 from torch_runner.serve.errors import AuthenticationError, InvalidRequestError, NotFoundError
 from torch_runner.serve.generation import Choice
@@ -39,7 +40,7 @@ class ServingState:
     model_type: str | None = None  # config.json's, for picking output parsers
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's
     tool_parser_name: str = "hermes"  # the `auto` tool-call parser (vLLM's names)
-    reasoning_parser_name: str | None = None  # serve/reasoning/ (vLLM's names); None: no split
+    chat_format: ChatFormat = field(default_factory=ChatFormat)  # harmony / reasoning parser
     metrics: ServerMetrics = field(init=False)
     token_table: TokenTable = field(init=False)
     pool: WorkerPool = field(init=False)

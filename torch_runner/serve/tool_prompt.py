@@ -51,6 +51,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message.role, "content": _content(message)}
         if message.name is not None:
             entry["name"] = message.name
+        if message.reasoning_content is not None:  # Qwen3's template and harmony render it
+            entry["reasoning_content"] = message.reasoning_content
         if message.tool_calls:
             if message.role != "assistant":
                 raise InvalidRequestError(

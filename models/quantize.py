@@ -1,0 +1,116 @@
+"""`--quantization int8 | int4`: replace every dense decoder linear (and the lm_head) by a
+weight-only quantized weight (ops/quant/int_linear.py), once, after loading and fusing.
+
+What is replaced: the fused q/k/v and gate/up matrices, o_proj, down_proj and the lm_head (a
+tied model gets a quantized copy of the embedding as its head; the lookup table stays dense).
+The per-projection q/k/v and gate/up parameters, views of the fused matrices, become `meta`
+placeholders, so the dense matrices are freed; the state dict keeps every name and shape but is
+no longer a checkpoint (as with oneDNN packing). MoE experts and embeddings are not touched.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from models.layers import Attention, GatedMLP, PackedHead
+from ops.quant.int_linear import (
+    QuantizedLinearWeight,
+    check_int4_shape,
+    pack_int4,
+    quantize_weight,
+)
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # auto: the checkpoint's own (loader)
+INT4_GROUP_SIZE = 32  # llama.cpp's Q4_0 / Q4_1 block size
+
+
+def quantize_linears(
+    model: nn.Module, mode: str, int4_sources: dict | None = None, head_mode: str | None = None
+) -> int:
+    """Quantize the model's linears in place; returns how many weights were replaced.
+
+    int4_sources: HF weight name -> (codes [N, K], scales, zeros [N, K/32]) already in int4 form
+    (a GGUF's Q4 blocks); those are packed as they are, fused rows concatenated, not re-derived.
+    head_mode: the lm_head's own mode when it differs (a GGUF with a Q8_0 embedding); default `mode`.
+    """
+    if mode not in QUANTIZATIONS or mode == "auto":
+        raise ValueError(
+            f"quantization={mode!r} is not supported; allowed values: {', '.join(QUANTIZATIONS)}"
+        )
+    if mode == "none":
+        return 0
+    count = 0
+    int4_sources = int4_sources or {}
+
+    def quantize(weight: torch.Tensor, name: str, parts=()) -> QuantizedLinearWeight | torch.Tensor:
+        nonlocal count
+        names = [f"{name}.{p}.weight" for p in parts] or [f"{name}.weight"]
+        if mode == "int4" and all(n in int4_sources for n in names):
+            count += 1
+            codes, scales, zeros = (torch.cat(a) for a in zip(*(int4_sources[n] for n in names)))
+            return pack_int4(codes, scales, zeros, INT4_GROUP_SIZE, weight.dtype)
+        if mode == "int4":
+            try:
+                check_int4_shape(*weight.shape, INT4_GROUP_SIZE)
+            except ValueError as exc:  # said once per weight, never silently
+                logger.warning("%s stays unquantized: %s", name, exc)
+                return weight
+        count += 1
+        return quantize_weight(weight, mode, INT4_GROUP_SIZE)
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Attention):
+            if module.qkv_weight is None:
+                module.fuse()
+            qkv = quantize(module.qkv_weight, name, ("q_proj", "k_proj", "v_proj"))
+            _replace_buffer(module, "qkv_weight", qkv)
+            _to_placeholders(module.q_proj, module.k_proj, module.v_proj)
+            _replace_weight(module.o_proj, quantize(module.o_proj.weight, f"{name}.o_proj"))
+        elif isinstance(module, GatedMLP):
+            if module.gate_up_weight is None:
+                module.fuse()
+            gate_up = quantize(module.gate_up_weight, name, ("gate_proj", "up_proj"))
+            _replace_buffer(module, "gate_up_weight", gate_up)
+            _to_placeholders(module.gate_proj, module.up_proj)
+            _replace_weight(
+                module.down_proj, quantize(module.down_proj.weight, f"{name}.down_proj")
+            )
+    head = getattr(model, "lm_head", False)
+    if head_mode not in (None, mode):
+        mode = head_mode
+        if mode == "none":
+            head = False
+    if head is None:  # tied: quantize a copy of the embedding as the head
+        model.lm_head = PackedHead(model.model.embed_tokens.weight)
+        _replace_buffer(
+            model.lm_head, "weight", quantize(model.model.embed_tokens.weight, "lm_head")
+        )
+    elif isinstance(head, nn.Linear):
+        _replace_weight(head, quantize(head.weight, "lm_head"))
+    logger.info("quantization=%s: %d linear weights quantized", mode, count)
+    return count
+
+
+def _replace_buffer(module: nn.Module, name: str, value) -> None:
+    if isinstance(value, torch.Tensor):
+        return
+    module._buffers.pop(name, None)  # a buffer slot only takes tensors
+    setattr(module, name, value)
+
+
+def _replace_weight(linear: nn.Linear, value) -> None:
+    if isinstance(value, torch.Tensor):
+        return
+    del linear.weight  # a parameter slot only takes tensors
+    linear.weight = value
+
+
+def _to_placeholders(*linears: nn.Linear) -> None:
+    for lin in linears:
+        meta = torch.empty(lin.weight.shape, dtype=lin.weight.dtype, device="meta")
+        lin.weight = nn.Parameter(meta, requires_grad=False)

@@ -1,0 +1,166 @@
+"""Weight-only int8 (per output channel) and int4 (per group of input columns) linear weights.
+
+Why torch's own kernels: `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` (CUDA:
+`_weight_int4pack_mm`, bf16 only) read the packed weights and dequantise inside the matmul, so a
+decode step streams 1 / 0.5 byte per weight instead of 2 (bf16) or 4 (fp32). An object of
+this module stands where a weight tensor stood; `ops.linear` sees `is_quantized` and calls it.
+
+Formats (the oracles in tests/test_ops_quant_int.py dequantise them with plain torch ops):
+- int8: q [N, K] int8 = round(w / s), s [N] = max|w_row| / 127; w ~ q * s.
+- int4: q in 0..15 per group of `group_size` columns, w ~ (q - 8) * scale + zero with
+  scale = (max - min) / 15 and zero = min + 8 * scale (the layout torch's int4 kernels take:
+  scales_and_zeros [K / group, N, 2]).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+INT4_INNER_K_TILES = 2
+MODES = ("int8", "int4")
+
+
+class QuantizedLinearWeight:
+    """Base of the packed weights: [out, in] like the tensor it replaces (for shape checks)."""
+
+    is_mkldnn = False  # ops.linear asks a weight these two before choosing a kernel
+    is_quantized = True
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device):
+        self.shape = torch.Size((out_features, in_features))
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, self.shape[1])  # [M, K]
+        out = self.matmul(flat).view(*x.shape[:-1], self.shape[0])
+        return out if bias is None else out.add_(bias)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class Int8Weight(QuantizedLinearWeight):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
+        super().__init__(*qweight.shape, scales.dtype, qweight.device)
+        self.qweight, self.scales = qweight, scales  # [N, K] int8, [N] in the activation dtype
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.to(self.dtype) * self.scales[:, None]
+
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+
+class Int4Weight(QuantizedLinearWeight):
+    def __init__(self, packed, scales_and_zeros, group_size: int, shape, codes=None):
+        super().__init__(*shape, scales_and_zeros.dtype, packed.device)
+        self.packed, self.scales_and_zeros, self.group_size = packed, scales_and_zeros, group_size
+        self.codes = codes  # [N, K] 0..15, kept only when asked (tests' oracle)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, self.group_size, self.scales_and_zeros
+            )
+        return torch.ops.aten._weight_int4pack_mm(
+            x, self.packed, self.group_size, self.scales_and_zeros
+        )
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """A dense [N, K] weight -> per-channel symmetric int8 (scales in the weight's dtype)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+    q = torch.round(w / scales[:, None]).clamp_(-128, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scales.to(weight.dtype))
+
+
+def int4_codes(weight: torch.Tensor, group_size: int):
+    """[N, K] -> (codes [N, K] int32 in 0..15, scales [N, K/g], zeros [N, K/g]) in fp32."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    w_max, w_min = w.amax(dim=-1), w.amin(dim=-1)
+    scales = ((w_max - w_min) / 15).clamp(min=1e-6)
+    zeros = w_min + 8 * scales
+    codes = torch.round((w - w_min[..., None]) / scales[..., None]).clamp_(0, 15)
+    return codes.to(torch.int32).reshape(n, k), scales, zeros
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = 32, keep_codes: bool = False
+) -> Int4Weight:
+    """A dense [N, K] weight -> group-wise asymmetric int4 in torch's packed layout."""
+    n, k = weight.shape
+    check_int4_shape(n, k, group_size)
+    codes, scales, zeros = int4_codes(weight, group_size)
+    return pack_int4(codes, scales, zeros, group_size, weight.dtype, keep_codes)
+
+
+def pack_int4(
+    codes, scales, zeros, group_size: int, dtype: torch.dtype, keep_codes=False
+) -> Int4Weight:
+    """Codes [N, K] (0..15) with scales / zeros [N, K/g] -> torch's packed int4 layout."""
+    n, k = codes.shape
+    check_int4_shape(n, k, group_size)
+    sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+    codes = codes.to(torch.int32).contiguous()
+    if codes.device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INT4_INNER_K_TILES)
+    else:  # CUDA takes two codes per byte, the even column in the high nibble
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
+    return Int4Weight(packed, sz.to(dtype), group_size, (n, k), codes if keep_codes else None)
+
+
+def dequantize_int4(codes, scales_and_zeros, group_size: int) -> torch.Tensor:
+    """The oracle: (q - 8) * scale + zero per group, in fp32, [N, K]."""
+    n, k = codes.shape
+    scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [N, K/g] each
+    grouped = (codes.float().reshape(n, k // group_size, group_size) - 8) * scales[..., None]
+    return (grouped + zeros[..., None]).reshape(n, k)
+
+
+def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(
+            f"int4 group_size={group_size} is not supported; allowed values: {INT4_GROUP_SIZES}"
+        )
+    if in_features % group_size or out_features % 8:
+        raise ValueError(
+            f"int4 needs in_features divisible by group_size={group_size} and out_features by 8; "
+            f"got a [{out_features}, {in_features}] weight"
+        )
+
+
+def quantize_weight(weight: torch.Tensor, mode: str, group_size: int = 32) -> QuantizedLinearWeight:
+    """`mode` is "int8" or "int4"; anything else is an error listing the allowed values."""
+    if mode == "int8":
+        return quantize_int8(weight)
+    if mode == "int4":
+        return quantize_int4(weight, group_size)
+    raise ValueError(f"quantization={mode!r} is not supported; allowed values: {', '.join(MODES)}")
+
+
+@functools.cache
+def can_run(mode: str, device_type: str, dtype: torch.dtype) -> str | None:
+    """None when this torch build runs `mode` for `dtype` activations on `device_type`, else why not."""
+    try:
+        weight = torch.randn(64, 64, device=device_type).to(dtype)
+        packed = quantize_weight(weight, mode)
+        packed.linear(torch.randn(2, 64, device=device_type).to(dtype), None)
+    except (RuntimeError, NotImplementedError) as exc:
+        return str(exc).splitlines()[0][:200]
+    return None

