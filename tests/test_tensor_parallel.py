@@ -180,3 +180,18 @@ def test_workers_exit_when_rank_0_is_killed(tmp_path):
     while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not Path(f"/proc/{worker}").exists(), "an orphaned rank must not outlive rank 0"
+
+
+def test_more_ranks_than_cuda_devices_is_one_error(tmp_path, monkeypatch):
+    import torch
+
+    from torch_runner.config import EngineConfig
+    from torch_runner.distributed import launch
+
+    path, _ = save_engine_checkpoint("llama", tmp_path)
+    monkeypatch.setattr(launch, "resolve_device", lambda spec: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("RANK", raising=False)
+    config = EngineConfig(model=str(path), device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs 2 CUDA devices; 1 visible"):
+        launch.check_launch(config, str(path))
