@@ -47,6 +47,10 @@ def workload(engine: Engine):
     return first + again
 
 
+def num_weights(engine: Engine) -> int:
+    return sum(t.numel() for t in engine.runner.model.state_dict().values())
+
+
 def summary(outputs):
     tokens = [o.token_ids for o in outputs]
     logprobs = [[lp.logprob for lp in o.logprobs] for o in outputs]
@@ -70,6 +74,9 @@ def test_two_ranks_match_one_rank(checkpoint, monkeypatch):
     try:
         tokens, logprobs, cached = summary(workload(engine))
         assert engine.stats()["num_preemptions"] == single.stats()["num_preemptions"]
+        # rank 0 holds half the weights (norms and the router are replicated: a few percent)
+        share = num_weights(engine) / num_weights(single)
+        assert 0.5 <= share < 0.56, share
     finally:
         engine.close()
     assert tokens == want_tokens
