@@ -120,7 +120,7 @@ def load_model(
         norm_value = getattr(family, "DUMMY_NORM_WEIGHT", 1.0)  # Gemma stores norms as 1 + w
         weights = dummy_weights(expected, target_dtype, torch_device, norm_value=norm_value)
     else:
-        weights = _checkpoint_weights(family, args, files, path)
+        weights = _checkpoint_weights(family, args, files, path, shard)
         if shard is not None:
             weights = {name: shard.shard_tensor(name, t) for name, t in weights.items()}
         check_weights(expected, weights)
@@ -244,8 +244,12 @@ def resolve_dtype(dtype: str, raw: dict[str, Any], files: list[Path]) -> torch.d
     return found if found in DTYPES.values() else torch.float32
 
 
-def _checkpoint_weights(family, args, files: list[Path], path: Path) -> dict[str, torch.Tensor]:
+def _checkpoint_weights(
+    family, args, files: list[Path], path: Path, shard=None
+) -> dict[str, torch.Tensor]:
     weights = safetensors_io.read_tensors(files)
+    if shard is not None:  # tensors sanitize would merge whole are cut to the rank's part first
+        weights = {name: shard.shard_raw(name, t) for name, t in weights.items()}
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
     if args.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints still store the copy

@@ -74,6 +74,11 @@ class ShardPlan:
     group: object  # TPGroup: all_reduce / all_gather_last
     slices: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     rank0_only: set[str] = field(default_factory=set)
+    # checkpoint names sliced before the family's sanitize (per-expert Hub tensors it stacks),
+    # and the stacked names they make (then already this rank's part)
+    raw_slices: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], tuple[str, ...]]] = field(
+        default_factory=dict
+    )
     num_kv_heads: int = 0  # this rank's KV heads (the paged pool's geometry)
 
     def prepare(self, model: CausalLM) -> None:
@@ -147,6 +152,11 @@ class ShardPlan:
                 [t.narrow(1, start, size), t.narrow(1, inter + start, size)], dim=1
             )
             self.slices[f"{prefix}.down_proj"] = narrow(2, start, size)  # [E, H, I]
+            stacked = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
+            for e in range(ex.down_proj.shape[0]):  # Hub checkpoints: one tensor per expert
+                for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+                    cut = narrow(dim, start, size)
+                    self.raw_slices[f"{prefix}.{e}.{proj}.weight"] = (cut, stacked)
             resize("gate_up_proj", 1, 1 / self.size)
             resize("down_proj", 2, 1 / self.size)
         else:  # gpt-oss: gate_up [E, H, 2I] interleaved (gate, up) pairs, down [E, I, H]
@@ -177,6 +187,17 @@ class ShardPlan:
 
     def _reduce_output(self, module, inputs, output: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(output)  # row-parallel partial sums -> the full output
+
+    def shard_raw(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Checkpoint tensor `name` before sanitize: a per-expert tensor is cut to this rank's
+        part here, so the stacked experts are never built whole."""
+        entry = self.raw_slices.get(name)
+        if entry is None:
+            return tensor
+        cut, stacked = entry
+        for done in stacked:
+            self.slices.pop(done, None)
+        return cut(tensor).contiguous()
 
     def shard_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor `name` (a copy of the slice only)."""
