@@ -23,6 +23,11 @@ STOP = "stop"
 class RankFailure(RuntimeError):
     """A tensor-parallel rank died, hung past dist_timeout, or a collective failed."""
 
+    def __init__(self, message: str, group: TPGroup | None = None):
+        super().__init__(message)
+        if group is not None:
+            group.has_failed = True  # close() then stops the workers without waiting on them
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -51,6 +56,7 @@ class TPGroup:
             self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         except Exception as exc:  # a rank that never came up: the rendezvous timed out
             raise RankFailure(f"tensor parallel rendezvous failed at rank {rank}: {exc}") from exc
+        self.has_failed = False
         self.all_reduce_seconds = 0.0  # bench_tp.py reads it (only when `timing` is on)
         self.timing = False
 
@@ -61,7 +67,7 @@ class TPGroup:
         try:
             dist.all_reduce(x)
         except Exception as exc:
-            raise RankFailure(f"all-reduce failed at rank {self.rank}: {exc}") from exc
+            raise RankFailure(f"all-reduce failed at rank {self.rank}: {exc}", self) from exc
         return x
 
     def _timed_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +88,7 @@ class TPGroup:
         try:
             dist.all_gather(parts, x.contiguous())
         except Exception as exc:
-            raise RankFailure(f"logits gather failed at rank {self.rank}: {exc}") from exc
+            raise RankFailure(f"logits gather failed at rank {self.rank}: {exc}", self) from exc
         return torch.cat(parts, dim=-1)
 
     def send(self, message) -> None:
@@ -98,7 +104,8 @@ class TPGroup:
                 work.wait(timeout=self.timeout)
         except Exception as exc:
             raise RankFailure(
-                f"a tensor parallel worker did not take the step within {self.timeout}: {exc}"
+                f"a tensor parallel worker did not take the step within {self.timeout}: {exc}",
+                self,
             ) from exc
 
     def receive(self):

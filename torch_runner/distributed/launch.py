@@ -103,12 +103,13 @@ class TensorParallel:
             return
         self.is_closed = True
         try:
-            if all(p.is_alive() for p in self.processes):
+            if not self.group.has_failed and all(p.is_alive() for p in self.processes):
                 self.group.send(STOP)
         except RankFailure:
             pass
+        wait = 1 if self.group.has_failed else 10  # a hung rank is not waited for twice
         for proc in self.processes:
-            proc.join(timeout=10)
+            proc.join(timeout=wait)
             if proc.is_alive():
                 proc.kill()
         self.group.close()
