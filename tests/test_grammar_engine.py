@@ -110,3 +110,23 @@ def test_invalid_grammar_is_a_value_error_naming_response_format(engine):
         engine.add_request(None, PROMPTS[0], _params("ebnf", "root ::= nope"))
     assert info.value.param == "response_format"
     assert not engine.has_unfinished()
+
+
+def test_a_token_the_grammar_rejects_ends_the_request_without_being_output(engine):
+    # A grammar left with no allowed token (complete, but its stop token masked or absent) gives
+    # the sampler an all -inf row; whatever it picks must not be output, and the request ends
+    # rather than writing that token until max_tokens. Oracle: the xgrammar matcher itself.
+    from torch_runner.grammar.compiler import compiler_for
+    from torch_runner.request_state import RequestState
+    from torch_runner.sequence import Sequence
+
+    grammar = compiler_for(engine.tokenizer, engine.vocab_size).new_request_grammar(
+        "regex", "ab", stop_token_ids=engine.eos_token_ids
+    )
+    seq = Sequence("dead-end", [5, 6], _params())
+    state = RequestState(seq, engine.tokenizer, engine.eos_token_ids, 64, grammar)
+    a, b, c = (engine.tokenizer.encode(ch, add_special_tokens=False)[-1] for ch in "abc")
+    assert state.append(a, None, None) is None and state.append(b, None, None) is None
+    assert not grammar.matcher.accept_token(c)  # the matcher refuses "c" after "ab"
+    assert state.append(c, None, None) == ("stop", None)
+    assert seq.output_token_ids == [a, b] and state.visible_text() == "ab"

@@ -2,7 +2,8 @@
 
 Kept apart from the scheduler (which only sees token counts) and the runner (which only sees
 tensors): this is where a sampled token becomes text and where a request decides it is done.
-Order of checks for each new token: grammar termination, EOS (unless ignore_eos), stop token
+Order of checks for each new token: a token the grammar rejects (its mask allowed none) ends the
+request without being output; then grammar termination, EOS (unless ignore_eos), stop token
 ids, stop strings (only after min_tokens; what follows the stop string is cut, and the string
 itself too unless include_stop_str_in_output), max_tokens, then the context length.
 """
@@ -60,14 +61,17 @@ class RequestState:
 
     def _check(self, token_id: int, logprob: float | None, top: list | None):
         seq, params = self.seq, self.params
+        # A grammar that allows no next token (complete, but none of its stop tokens is in the
+        # vocabulary or allowed) leaves the sampler an all -inf row: its pick is not output, the
+        # request ends as the grammar has, instead of writing token 0 until max_tokens.
+        if self.grammar is not None and not self.grammar.accept_token(token_id):
+            return "stop", None
         seq.append_token(token_id)
         if self.logprobs is not None and logprob is not None:
             alternatives = [(int(i), float(v)) for i, v in (top or [])[: params.top_logprobs]]
             self.logprobs.append(Logprob(token_id, float(logprob), alternatives))
-        if self.grammar is not None:
-            self.grammar.accept_token(token_id)
-            if self.grammar.is_terminated:
-                return "stop", None
+        if self.grammar is not None and self.grammar.is_terminated:
+            return "stop", None
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop", None
         if params.stop_token_ids and token_id in params.stop_token_ids:
