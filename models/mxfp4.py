@@ -11,26 +11,8 @@ from __future__ import annotations
 
 import torch
 
-# FP4 E2M1 code -> value: bit 3 is the sign, bits 0-2 index (0, 0.5, 1, 1.5, 2, 3, 4, 6).
-FP4_E2M1_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
-SCALE_BIAS = 127
+from ops.quant.mxfp4 import FP4_E2M1_VALUES, SCALE_BIAS  # one code table for both paths
+
 ROWS_PER_CHUNK = 1 << 16  # bounds the int64 index temporaries on real 20B/120B checkpoints
 
 
