@@ -24,24 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from ops.quant.mxfp4 import Mxfp4Experts, moe_gpt_oss_mxfp4
+from ops.routing import route_groups
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
-
-
-def _route_groups(top_idx: torch.Tensor, num_experts: int):
-    """Yield (expert, token rows, slot in top-k) for each expert hit this step."""
-    flat = top_idx.reshape(-1)  # [T * k]
-    order = torch.argsort(flat, stable=True)
-    # host sync on purpose: the loop below needs the hit experts (CPU path only)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    k = top_idx.shape[1]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        sel = order[start : start + count]
-        start += count
-        yield expert, sel // k, sel % k
 
 
 def _looped_experts(x, top_idx, scores, w_in, b_in, w_out, b_out, act, *, transposed: bool):
@@ -49,7 +34,7 @@ def _looped_experts(x, top_idx, scores, w_in, b_in, w_out, b_out, act, *, transp
 
     w_in [E, H, 2I] ([E, 2I, H] when `transposed`, HF's F.linear layout), w_out likewise."""
     out = torch.zeros_like(x)
-    for expert, rows, slots in _route_groups(top_idx, w_in.shape[0]):
+    for expert, rows, slots in route_groups(top_idx, w_in.shape[0]):
         if transposed:
             h = act(F.linear(x[rows], w_in[expert]))  # [t, I]
             y = F.linear(h, w_out[expert])  # [t, H]

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ops.routing import route_groups
+
 # FP4 E2M1 code -> value: bit 3 is the sign, bits 0-2 index (0, 0.5, 1, 1.5, 2, 3, 4, 6).
 FP4_E2M1_VALUES = (
     0.0,
@@ -140,24 +142,6 @@ def expert_linear(
     return out
 
 
-def _route_groups(top_idx: torch.Tensor, num_experts: int):
-    """Yield (expert, token rows, slot in top-k) for each expert hit this step.
-
-    The counts go to the host once per call: on CPU that is no device sync, and it lets only
-    the hit experts be dequantised (the CUDA path never takes this branch).
-    """
-    flat = top_idx.reshape(-1)  # [T * k]
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    k = top_idx.shape[1]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            sel = order[start : start + count]
-            yield expert, sel // k, sel % k
-        start += count
-
-
 def moe_gpt_oss_mxfp4(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -191,7 +175,7 @@ def moe_gpt_oss_mxfp4(
         )  # [T, k, H]
         return (y * scores[..., None]).sum(dim=1).to(x.dtype)
     out = torch.zeros_like(x)
-    for expert, rows, slots in _route_groups(top_idx, router_weight.shape[0]):
+    for expert, rows, slots in route_groups(top_idx, router_weight.shape[0]):
         h = expert_linear(x[rows], gate_up_proj, expert, gate_up_proj_bias[expert])  # [t, 2I]
         h = swiglu(h, limit, alpha)  # [t, I]
         y = expert_linear(h, down_proj, expert, down_proj_bias[expert])  # [t, H]
