@@ -21,6 +21,14 @@ import json
 from typing import Any
 
 
+def _token(encoding: Any, name: str):
+    """A structural-tag element forcing one harmony special token (by its id in `encoding`)."""
+    from xgrammar.structural_tag import TokenFormat
+
+    (token_id,) = encoding.encode(name, allowed_special="all")
+    return TokenFormat(token=token_id)
+
+
 def harmony_call_grammar(encoding: Any, tools: list[dict[str, Any]], names: list[str]) -> str:
     """xgrammar EBNF (rule `root`) for one call to one of `names`, with its JSON-schema arguments."""
     import xgrammar as xgr
@@ -30,26 +38,21 @@ def harmony_call_grammar(encoding: Any, tools: list[dict[str, Any]], names: list
         OrFormat,
         SequenceFormat,
         StructuralTag,
-        TokenFormat,
     )
-
-    def token(name: str) -> TokenFormat:
-        (token_id,) = encoding.encode(name, allowed_special="all")
-        return TokenFormat(token=token_id)
 
     schemas = {tool["function"]["name"]: tool["function"].get("parameters") for tool in tools}
     calls = [
         SequenceFormat(
             elements=[
-                token("<|channel|>"),
+                _token(encoding, "<|channel|>"),
                 ConstStringFormat(value=f"commentary to=functions.{name} "),
-                token("<|constrain|>"),
+                _token(encoding, "<|constrain|>"),
                 ConstStringFormat(value="json"),
-                token("<|message|>"),
+                _token(encoding, "<|message|>"),
                 JSONSchemaFormat(
                     json_schema=schemas[name] or {"type": "object"}, max_whitespace_cnt=1
                 ),
-                token("<|call|>"),
+                _token(encoding, "<|call|>"),
             ]
         )
         for name in names
@@ -71,12 +74,7 @@ def harmony_final_grammar(encoding: Any, spec: Any) -> str:
         RegexFormat,
         SequenceFormat,
         StructuralTag,
-        TokenFormat,
     )
-
-    def token(name: str) -> TokenFormat:
-        (token_id,) = encoding.encode(name, allowed_special="all")
-        return TokenFormat(token=token_id)
 
     if spec.kind in ("json_object", "json_schema"):
         schema = json.loads(spec.spec) if spec.kind == "json_schema" else {"type": "object"}
@@ -85,9 +83,9 @@ def harmony_final_grammar(encoding: Any, spec: Any) -> str:
         body = RegexFormat(pattern=spec.spec)
     message = SequenceFormat(
         elements=[
-            token("<|channel|>"),
+            _token(encoding, "<|channel|>"),
             ConstStringFormat(value="final"),
-            token("<|message|>"),
+            _token(encoding, "<|message|>"),
             body,
         ]
     )
