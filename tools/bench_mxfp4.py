@@ -171,18 +171,14 @@ def _time_cuda(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def op(args) -> None:
-    """One gpt-oss-20b MoE layer at T tokens: packed Triton kernel vs dense bf16 experts."""
-    from ops.moe import moe_gpt_oss
-    from ops.quant.mxfp4 import Mxfp4Experts, dequantize
+def random_layer(dev: torch.device):
+    """One gpt-oss-20b MoE layer's random MXFP4 experts: (hidden, intermediate, experts, top-k,
+    gate_up, down)."""
+    from ops.quant.mxfp4 import Mxfp4Experts
 
-    dev, g = torch.device(args.device), GPT_OSS_20B
-    h, i, e, k = (
-        g["hidden_size"],
-        g["intermediate_size"],
-        g["num_local_experts"],
-        g["num_experts_per_tok"],
-    )
+    g = GPT_OSS_20B
+    h, i = g["hidden_size"], g["intermediate_size"]
+    e, k = g["num_local_experts"], g["num_experts_per_tok"]
 
     def packed(rows, cols):
         blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, device=dev)
@@ -190,7 +186,16 @@ def op(args) -> None:
             blocks, torch.full((e, rows, cols // 32), 120, dtype=torch.uint8, device=dev)
         )
 
-    gu, dn = packed(2 * i, h), packed(h, i)
+    return h, i, e, k, packed(2 * i, h), packed(h, i)
+
+
+def op(args) -> None:
+    """One gpt-oss-20b MoE layer at T tokens: packed Triton kernel vs dense bf16 experts."""
+    from ops.moe import moe_gpt_oss
+    from ops.quant.mxfp4 import dequantize
+
+    dev = torch.device(args.device)
+    h, i, e, k, gu, dn = random_layer(dev)
     bf = torch.bfloat16
     rw, rb = torch.randn(e, h, device=dev, dtype=bf) * 0.02, torch.zeros(e, device=dev, dtype=bf)
     gub, dnb = torch.zeros(e, 2 * i, device=dev, dtype=bf), torch.zeros(e, h, device=dev, dtype=bf)
@@ -239,24 +244,10 @@ SWEEP = [(32, 128, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4), (64
 def sweep(args) -> None:
     """Kernel configs (BLOCK_N, BLOCK_K, warps, stages) for the routed expert matmuls, timed in
     a CUDA graph on one gpt-oss-20b layer; each checked against the default config's output."""
-    from ops.quant.mxfp4 import Mxfp4Experts
     from ops.quant.mxfp4_triton import moe_experts_mxfp4
 
-    dev, g = torch.device(args.device), GPT_OSS_20B
-    h, i, e, k = (
-        g["hidden_size"],
-        g["intermediate_size"],
-        g["num_local_experts"],
-        g["num_experts_per_tok"],
-    )
-
-    def packed(rows, cols):
-        blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, device=dev)
-        return Mxfp4Experts(
-            blocks, torch.full((e, rows, cols // 32), 120, dtype=torch.uint8, device=dev)
-        )
-
-    gu, dn = packed(2 * i, h), packed(h, i)
+    dev = torch.device(args.device)
+    h, i, e, k, gu, dn = random_layer(dev)
     gub = torch.zeros(e, 2 * i, device=dev, dtype=torch.bfloat16)
     dnb = torch.zeros(e, h, device=dev, dtype=torch.bfloat16)
     per_expert = (gu.blocks.numel() + gu.scales.numel() + dn.blocks.numel() + dn.scales.numel()) / e
