@@ -18,6 +18,7 @@ from torch import nn
 from models.layers import Attention, GatedMLP, PackedHead
 from ops.quant.int_linear import (
     QuantizedLinearWeight,
+    activation_dtype,
     check_int4_shape,
     pack_int4,
     quantize_weight,
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # auto: the checkpoint's own (loader)
 INT4_GROUP_SIZE = 32  # llama.cpp's Q4_0 / Q4_1 block size
+# an fp32 model's quantized linears compute in bf16 on a bf16 CPU (ops/quant/int_linear.py says
+# why); tests of the exact fp32 kernels turn it off
+ROUND_FP32_ACTIVATIONS = True
 
 
 def quantize_linears(
@@ -48,6 +52,12 @@ def quantize_linears(
     int4_sources = int4_sources or {}
 
     def quantize(weight: torch.Tensor, name: str, parts=()) -> QuantizedLinearWeight | torch.Tensor:
+        out = quantize_one(weight, name, parts)
+        if ROUND_FP32_ACTIVATIONS and isinstance(out, QuantizedLinearWeight):
+            out.set_compute_dtype(activation_dtype(weight.dtype, weight.device))
+        return out
+
+    def quantize_one(weight: torch.Tensor, name: str, parts=()):
         nonlocal count
         names = [f"{name}.{p}.weight" for p in parts] or [f"{name}.weight"]
         if mode == "int4" and all(n in int4_sources for n in names):

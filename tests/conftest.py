@@ -14,6 +14,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def exact_fp32(monkeypatch):
+    """An fp32 model's quantized linears compute in fp32 (not in bf16, as they do on a bf16 CPU:
+    ops/quant/int_linear.py), for tests whose oracle is the exact fp32 matmul."""
+    from models import quantize
+
+    monkeypatch.setattr(quantize, "ROUND_FP32_ACTIVATIONS", False)
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """A tiny Llama engine checkpoint with large weights (initializer_range 0.5: distinct

@@ -94,7 +94,9 @@ def _hf_reference(path):
     ("linear_type", "packed_as"),
     [("F32", None), ("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")],
 )
-def test_gguf_logits_equal_transformers_loading_the_same_file(tmp_path, linear_type, packed_as):
+def test_gguf_logits_equal_transformers_loading_the_same_file(
+    tmp_path, linear_type, packed_as, exact_fp32
+):
     path = write_tiny_gguf(tmp_path / f"tiny-{linear_type}.gguf", linear_type)
     ours = models.load_model(path, device="cpu", dtype="float32")
     qkv = ours.model.model.layers[0].self_attn.qkv_weight

@@ -105,9 +105,40 @@ def llama_folder(tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_bf16_compute_of_fp32_activations_equals_the_bf16_rounded_matmul(mode):
+    w = weight()
+    x = torch.randn(2, 3, 128)
+    if mode == "int8":
+        packed = quantize_int8(w)
+        dense = packed.qweight.float() * packed.scales.bfloat16().float()[:, None]
+    else:
+        packed = quantize_int4(w, 32, keep_codes=True)
+        sz = packed.scales_and_zeros.bfloat16()
+        dense = dequantize_int4(packed.codes, sz, 32)
+    packed.set_compute_dtype(torch.bfloat16)
+    want = x.bfloat16().float() @ dense.T  # the input rounded to bf16, fp32 products
+    got = ops.linear(x, packed)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 96)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # the kernel's bf16 output
+    exact = x @ dense.T
+    assert not torch.equal(got, exact)  # the rounding is real, not a no-op
+
+
+def test_fp32_models_compute_quantized_linears_in_bf16_only_on_a_bf16_cpu(llama_folder):
+    from ops.quant.int_linear import fast_bf16_cpu
+
+    loaded = models.load_model(llama_folder, device="cpu", dtype="float32", quantization="int8")
+    want = torch.bfloat16 if fast_bf16_cpu() else torch.float32
+    assert loaded.model.model.layers[0].self_attn.qkv_weight.compute_dtype == want
+    assert loaded.model.lm_head.weight.compute_dtype == want
+    bf16 = models.load_model(llama_folder, device="cpu", dtype="bfloat16", quantization="int4")
+    assert bf16.model.model.layers[0].mlp.gate_up_weight.compute_dtype == torch.bfloat16
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_model_logits_equal_the_fake_quantised_reference(llama_folder, mode):
+def test_quantized_model_logits_equal_the_fake_quantised_reference(llama_folder, mode, exact_fp32):
     loaded = models.load_model(llama_folder, device="cpu", dtype="float32", quantization=mode)
     layer = loaded.model.model.layers[0]
     assert layer.self_attn.qkv_weight.is_quantized and loaded.model.lm_head.weight.is_quantized
@@ -118,7 +149,7 @@ def test_quantized_model_logits_equal_the_fake_quantised_reference(llama_folder,
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_engine_greedy_with_quantized_linears_equals_the_reference(llama_folder, mode):
+def test_engine_greedy_with_quantized_linears_equals_the_reference(llama_folder, mode, exact_fp32):
     from torch_runner import Engine, SamplingParams
 
     engine = Engine(

@@ -10,6 +10,13 @@ Formats (the oracles in tests/test_ops_quant_int.py dequantise them with plain t
 - int4: q in 0..15 per group of `group_size` columns, w ~ (q - 8) * scale + zero with
   scale = (max - min) / 15 and zero = min + 8 * scale (the layout torch's int4 kernels take:
   scales_and_zeros [K / group, N, 2]).
+
+The compute dtype (`set_compute_dtype`): torch's CPU kernels with fp32 activations take a slow
+path, 10x (int8) to 25x (int4) slower than with bf16 activations on the 2-core AVX512-BF16 box
+(tools/bench_quant.py --op). So on a CPU with native bf16 (`fast_bf16_cpu`) an fp32 model's
+quantized linears round their input to bf16, run the kernel in bf16 (fp32 accumulation inside)
+and return fp32, as llama.cpp rounds its activations (to q8_0) for quantized matmuls.
+models/quantize.py applies that rule; a weight built directly computes in its own dtype.
 """
 
 from __future__ import annotations
@@ -34,10 +41,20 @@ class QuantizedLinearWeight:
         self.dtype = dtype
         self.device = torch.device(device)
 
+        self.compute_dtype = dtype
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, self.shape[1])  # [M, K]
-        out = self.matmul(flat).view(*x.shape[:-1], self.shape[0])
+        if self.compute_dtype != flat.dtype:  # fp32 model on a bf16 CPU: see the module doc
+            out = self.matmul(flat.to(self.compute_dtype)).to(x.dtype)
+        else:
+            out = self.matmul(flat)
+        out = out.view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out.add_(bias)
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Run the kernel on `dtype` activations (the scales get a copy in `dtype`)."""
+        self.compute_dtype = dtype
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -51,8 +68,14 @@ class Int8Weight(QuantizedLinearWeight):
         super().__init__(*qweight.shape, scales.dtype, qweight.device)
         self.qweight, self.scales = qweight, scales  # [N, K] int8, [N] in the activation dtype
 
+        self.compute_scales = scales
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        super().set_compute_dtype(dtype)
+        self.compute_scales = self.scales.to(dtype)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.compute_scales)
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.to(self.dtype) * self.scales[:, None]
@@ -66,15 +89,18 @@ class Int4Weight(QuantizedLinearWeight):
         super().__init__(*shape, scales_and_zeros.dtype, packed.device)
         self.packed, self.scales_and_zeros, self.group_size = packed, scales_and_zeros, group_size
         self.codes = codes  # [N, K] 0..15, kept only when asked (tests' oracle)
+        self.compute_sz = scales_and_zeros
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        super().set_compute_dtype(dtype)
+        self.compute_sz = self.scales_and_zeros.to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x, self.packed, self.group_size, self.scales_and_zeros
+                x, self.packed, self.group_size, self.compute_sz
             )
-        return torch.ops.aten._weight_int4pack_mm(
-            x, self.packed, self.group_size, self.scales_and_zeros
-        )
+        return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.compute_sz)
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
@@ -152,6 +178,26 @@ def quantize_weight(weight: torch.Tensor, mode: str, group_size: int = 32) -> Qu
     if mode == "int4":
         return quantize_int4(weight, group_size)
     raise ValueError(f"quantization={mode!r} is not supported; allowed values: {', '.join(MODES)}")
+
+
+@functools.cache
+def fast_bf16_cpu() -> bool:
+    """True when this CPU has native bf16 dot products (AVX512-BF16 or AMX), where the bf16
+    kernels are the fast ones; probed through torch's own check."""
+    mkldnn = getattr(torch.backends, "mkldnn", None)
+    is_bf16_supported = getattr(
+        getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None
+    )
+    if mkldnn is None or not mkldnn.is_available() or is_bf16_supported is None:
+        return False
+    return bool(is_bf16_supported())
+
+
+def activation_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype quantized linears compute in for a `model_dtype` model (module doc's rule)."""
+    if model_dtype == torch.float32 and torch.device(device).type == "cpu" and fast_bf16_cpu():
+        return torch.bfloat16
+    return model_dtype
 
 
 @functools.cache
