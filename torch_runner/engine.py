@@ -70,9 +70,9 @@ class Engine:
             validate_device(resolve_device(config.device))
         path = config.model
         if path is None:
-            from models.default_model import default_model_path
+            from models.default_model import default_model_source
 
-            path = str(default_model_path())
+            path = str(default_model_source(config.dtype, config.quantization))
         else:  # a Hub model ID becomes its cached snapshot folder; local paths are checked
             path = str(
                 resolve_model(
