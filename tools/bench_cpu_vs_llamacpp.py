@@ -7,9 +7,9 @@ f32 / bf16 / q8_0 files are written from our safetensors folder by llama.cpp's o
 its `gguf-py` folder and sentencepiece). Every round runs each engine once (32-token prompt,
 --gen-len greedy tokens, decode tok/s after the first token), the order reversed every other
 round; medians over --rounds. Prints `lscpu`'s model line and flags of interest, and for each
-engine the resident memory it added (VmRSS growth from its load to after the timed rounds, the
-previous pair's engines freed first: weights, KV pool, workspaces; the process is shared, so this
-is the growth, not a process peak).
+engine the anonymous resident memory it added (RssAnon growth over its load and warm-up, the
+previous pair's engines freed first: weights as held, KV pool, workspaces; file pages of an mmap'd
+checkpoint are page cache and not counted; the process is shared, so this is growth, not a peak).
 
 Install llama.cpp's Python binding from source (about 8-15 minutes on 2 cores; not a test
 dependency):
@@ -60,9 +60,9 @@ def lscpu_summary() -> str:
 
 
 def rss_mb() -> float:
-    """This process's resident set (VmRSS), MB."""
+    """This process's anonymous resident memory (RssAnon), MB."""
     with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("VmRSS:"))
+        line = next(x for x in f if x.startswith("RssAnon:"))
     return int(line.split()[1]) / 1024
 
 
