@@ -214,7 +214,7 @@ def load_gguf_model(file: Path, *, device, dtype: str, quantization: str):
     """`models.load_model` for a GGUF file: same checks, same LoadedModel (path = the sidecar)."""
     from models import loader
     from models.layers import fuse_projections
-    from models.quantize import quantize_linears
+    from models.quantize import quantize_linears, return_freed_memory
     from models.registry import get_family
 
     folder = sidecar_folder(file)
@@ -246,6 +246,8 @@ def load_gguf_model(file: Path, *, device, dtype: str, quantization: str):
             model, mode, int4_sources=sources if mode == "int4" else None,
             head_mode=head_mode if quantization == "auto" else None,
         )  # fmt: skip
+    del weights, state, sources  # the dense / int32-code copies the packed weights replaced
+    return_freed_memory()
     logger.info(
         "loaded %s from %s on %s as %s (%s)",
         raw["model_type"],

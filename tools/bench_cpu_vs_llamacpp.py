@@ -7,9 +7,10 @@ f32 / bf16 / q8_0 files are written from our safetensors folder by llama.cpp's o
 its `gguf-py` folder and sentencepiece). Every round runs each engine once (32-token prompt,
 --gen-len greedy tokens, decode tok/s after the first token), the order reversed every other
 round; medians over --rounds. Prints `lscpu`'s model line and flags of interest, and for each
-engine the anonymous resident memory it added (RssAnon growth over its load and warm-up, the
-previous pair's engines freed first: weights as held, KV pool, workspaces; file pages of an mmap'd
-checkpoint are page cache and not counted; the process is shared, so this is growth, not a peak).
+engine the anonymous resident memory it added (RssAnon growth over its load and warm-up; in one
+shared process the allocator reuses what the previous pair freed, so this is only indicative).
+`--memory` instead runs each of our modes alone in a fresh process (load, 8 tokens) and prints
+its peak resident set (VmHWM) and anonymous resident memory (RssAnon) after the run.
 
 Install llama.cpp's Python binding from source (about 8-15 minutes on 2 cores; not a test
 dependency):
@@ -64,6 +65,32 @@ def rss_mb() -> float:
     with open("/proc/self/status") as f:
         line = next(x for x in f if x.startswith("RssAnon:"))
     return int(line.split()[1]) / 1024
+
+
+MEMORY_CHILD = """
+import sys, torch
+torch.set_num_threads(1)
+from models.default_model import default_model_path, default_model_source
+from ops.sampling.params import SamplingParams
+from torch_runner import Engine
+dtype, quant = sys.argv[1:3]
+model = default_model_source(dtype, quant) if dtype == "auto" else default_model_path()
+engine = Engine(str(model), device="cpu", dtype=dtype, quantization=quant, max_total_tokens=1024)
+engine.generate([list(range(100, 132))], SamplingParams(max_tokens=8, temperature=0.0))
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(int(status["VmHWM"].split()[0]) // 1024, int(status["RssAnon"].split()[0]) // 1024)
+"""
+
+
+def memory_table(pairs) -> None:
+    """Each of our modes alone in a fresh process: peak RSS and anonymous RSS, MB."""
+    print("| ours | peak resident (VmHWM) MB | anonymous resident after (RssAnon) MB |")
+    print("|---|---:|---:|")
+    for (dtype, quant), _ in pairs:
+        out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, dtype, quant],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        peak, anon = out.split()[-2:]
+        print(f"| {dtype} / {quant} | {peak} | {anon} |", flush=True)
 
 
 def gguf_file(folder: Path, outtype: str, llama_src: Path, work: Path) -> Path:
@@ -143,6 +170,7 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", default="all", help="comma list of indexes into PAIRS, or all")
+    parser.add_argument("--memory", action="store_true", help="only the per-mode memory table")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from models.default_model import default_model_path
@@ -151,6 +179,9 @@ def main() -> None:
     folder = default_model_path()
     args.work.mkdir(parents=True, exist_ok=True)
     pairs = PAIRS if args.pairs == "all" else [PAIRS[int(i)] for i in args.pairs.split(",")]
+    if args.memory:
+        memory_table(pairs)
+        return
     print(f"CPU: {lscpu_summary()}; torch {torch.__version__}, {args.threads} threads")
     print(
         f"SmolLM2-135M, batch 1, 32-token prompt, {args.gen_len} greedy tokens, medians of {args.rounds} rounds, order alternating"
