@@ -64,6 +64,9 @@ class EngineConfig:
     # a collective may wait for a rank before the step fails (a dead or hung rank)
     tensor_parallel_size: int = 1
     dist_timeout: int = 120
+    # overlapped scheduling (engine_step.py): step N+1 is launched while step N runs and the host
+    # reads step N back meanwhile. None = auto: on for CUDA, off on CPU / MPS and tensor parallel
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):  # pathlib.Path is as good as a string
@@ -99,6 +102,17 @@ class EngineConfig:
                 f"swa_kv='windowed' is invalid with tensor_parallel_size="
                 f"{self.tensor_parallel_size}; allowed values: auto, paged (the workers keep "
                 "sliding-window KV in the paged pool)"
+            )
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling={self.async_scheduling!r} is invalid; expected true, false "
+                "or None (auto)"
+            )
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"async_scheduling=True is invalid with tensor_parallel_size="
+                f"{self.tensor_parallel_size}; allowed values: false, None (the workers take "
+                "each step's token ids from rank 0's host, so steps cannot be chained)"
             )
         if self.weight_packing not in ALLOWED_WEIGHT_PACKING:
             raise ValueError(

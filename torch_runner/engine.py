@@ -18,25 +18,18 @@ from models.hub import resolve_model
 from ops.sampling.params import SamplingParams
 from torch_runner.config import EngineConfig
 from torch_runner.distributed.launch import start_tensor_parallel
+from torch_runner.engine_step import NON_FINITE_MESSAGE, EngineSteps
 from torch_runner.kv.block_manager import BlockManager
 from torch_runner.kv.radix_cache import RadixCache
 from torch_runner.outputs import RequestOutput
 from torch_runner.request_state import RequestState
-from torch_runner.runner.model_runner import (
-    NON_FINITE_TOKEN,
-    ModelRunner,
-    available_memory_bytes,
-)
+from torch_runner.runner.model_runner import ModelRunner, available_memory_bytes
 from torch_runner.scheduler import Scheduler
 from torch_runner.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-NON_FINITE_MESSAGE = (
-    "the model produced non-finite logits (NaN or inf) for this request; it was ended. "
-    "Try another dtype (float16 overflows where bfloat16 or float32 does not)"
-)
 
 
 def _load_tokenizer(auto_tokenizer, path: str):
@@ -49,8 +42,12 @@ def _load_tokenizer(auto_tokenizer, path: str):
         ) from exc
 
 
-class Engine:
-    """Continuous-batching generation over one model (see docs/engine.md)."""
+__all__ = ["NON_FINITE_MESSAGE", "Engine"]
+
+
+class Engine(EngineSteps):
+    """Continuous-batching generation over one model (see docs/engine.md); `step` and the
+    overlapped scheduling live in engine_step.py."""
 
     def __init__(
         self, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs: Any
@@ -145,7 +142,14 @@ class Engine:
             is_chunked_prefill=config.is_chunked_prefill,
             prefix_cache=self.prefix_cache,
             need_payload=self.runner.layout.has_swa,
+            max_model_len=self.max_model_len,
         )
+        # overlapped scheduling (engine_step.py): "auto" = on CUDA, off elsewhere and under
+        # tensor parallel (the workers get each step's token ids from rank 0's host)
+        self.is_overlapped = config.async_scheduling is True or (
+            config.async_scheduling is None and self.device.type == "cuda" and tp is None
+        )
+        self._inflight = None
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._grammar_masker = None
@@ -237,16 +241,6 @@ class Engine:
             spec.kind, spec.spec, stop_token_ids=self.eos_token_ids
         )
 
-    def _grammar_rows(self, chunks):
-        grammars = [self.requests[c.seq.request_id].grammar for c in chunks]
-        if all(g is None for g in grammars):
-            return None
-        if self._grammar_masker is None:
-            from torch_runner.grammar.masks import GrammarMasker
-
-            self._grammar_masker = GrammarMasker(self.vocab_size, self.device)
-        return self._grammar_masker.build_edit_rows(grammars)
-
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.requests.pop(request_id, None)
         if state is None:
@@ -254,55 +248,6 @@ class Engine:
         self.scheduler.abort(request_id)
         self.runner.free(request_id)
         return state.make_output()
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    # ---- the step ---------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run, postprocess; returns an output for every request that progressed."""
-        out = self.scheduler.schedule()
-        for seq in out.preempted:
-            self.runner.free(seq.request_id)
-        if out.is_empty:
-            return []
-        if self.tensor_parallel is not None:  # the workers run the same step from its inputs
-            self.tensor_parallel.check_alive()
-            self.tensor_parallel.send_step(out.chunks)
-        result = self.runner.execute(out.chunks, self._grammar_rows)
-        self.scheduler.advance(out)
-        if self.prefix_cache is not None:
-            # every prompt chunk publishes its blocks (SWA models: with a window snapshot), so
-            # concurrent and later requests can hit at chunk granularity
-            for chunk in out.chunks:
-                if (
-                    chunk.start < chunk.seq.num_prompt_tokens
-                    and chunk.end >= self.config.block_size
-                ):
-                    self.scheduler.cache_prefix(chunk.seq, self._payload(chunk.seq))
-        outputs = []
-        for i, (rid, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
-            state = self.requests[rid]
-            if token_id == NON_FINITE_TOKEN:  # only this request ends; its batchmates go on
-                finish = state.fail(NON_FINITE_MESSAGE)
-                self.num_non_finite += 1
-            else:
-                logprob = result.logprobs[i] if result.logprobs is not None else None
-                top = result.top_logprobs[i] if result.top_logprobs is not None else None
-                finish = state.append(token_id, logprob, top)
-                self.num_generated_tokens += 1
-            if finish is not None:
-                self.scheduler.finish(state.seq, finish[0], finish[1], self._payload(state.seq))
-                self.runner.free(rid)
-                del self.requests[rid]
-            outputs.append(state.make_output())
-        return outputs
-
-    def _payload(self, seq: Sequence):
-        if not self.runner.layout.has_swa or self.prefix_cache is None:
-            return None
-        end = (seq.num_computed_tokens // self.config.block_size) * self.config.block_size
-        return self.runner.snapshot_windows(seq.request_id, end) if end else None
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at size 1); idempotent."""
