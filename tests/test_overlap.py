@@ -7,6 +7,7 @@ needs its token on the host (grammar, penalties) is never chained. Greedy output
 checked against transformers."""
 
 import pytest
+import torch
 from engine_helpers import hf_greedy, save_engine_checkpoint
 
 from ops.sampling.params import StructuredOutputSpec
@@ -220,3 +221,25 @@ def test_async_scheduling_is_validated(checkpoints):
     with pytest.raises(ValueError, match="async_scheduling=True is invalid with tensor_para"):
         Engine(path, device="cpu", async_scheduling=True, tensor_parallel_size=2)
     assert not Engine(path, device="cpu", max_total_tokens=256).is_overlapped  # auto: CPU off
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type", ["llama", "gpt_oss"])
+def test_cuda_graphs_overlapped_equal_sync(checkpoints, model_type):
+    """On CUDA (graphs replay the decode, chained rows resolved in the graph's input buffer):
+    greedy and seeded outputs of the overlapped engine equal the synchronous one's."""
+    path, _ = checkpoints[model_type]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12 + i, logprobs=True)
+              for i in range(3)]  # fmt: skip
+    params += [SamplingParams(temperature=0.8, top_p=0.9, seed=5 + i, max_tokens=10,
+                              ignore_eos=True) for i in range(2)]  # fmt: skip
+    sync, overlapped, engine = _both(
+        path, _staggered(PROMPTS, params, arrive_at=(3,)), device="cuda", cuda_graph_max_bs=8
+    )
+    assert engine.is_overlapped and engine.runner.decode_graphs.graphs
+    assert sum(engine.chained) > 20
+    assert [o[:4] for o in overlapped] == [s[:4] for s in sync]
+    for o, s in zip(overlapped, sync):
+        if o[4] is not None:
+            assert [x.logprob for x in o[4]] == pytest.approx([x.logprob for x in s[4]], abs=1e-4)

@@ -10,6 +10,11 @@ the experts its B x top_k picks are expected to hit, E * (1 - (1 - k/E)^B) of E.
 (first occurrence) against the same lengths again: with no per-shape plan builds or compiles
 the ratio is ~1.
 
+`--async-scheduling both` times overlapped scheduling on and off on one engine, runs
+interleaved (on, off, on, off, ...), and reports both medians and their ratio; with
+`--profile-batch B` it also profiles B-row decode steps in both modes and prints the GPU busy
+time per step (torch.profiler, device events) and the idle fraction of the unprofiled step.
+
 It imports only the public Engine API, so running it with PYTHONPATH set to another checkout
 measures that checkout (before/after ratios from one call):
 
@@ -141,8 +146,10 @@ def _device_time_us(events) -> float:
     return sum(e.self_device_time_total for e in events if e.device_type == cuda)
 
 
-def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 20):
-    """torch.profiler table of `steps` pure decode steps at `batch` (after a warm-up)."""
+def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 20,
+                  table: bool = True) -> float:  # fmt: skip
+    """torch.profiler table of `steps` pure decode steps at `batch` (after a warm-up); returns
+    the GPU busy ms per step."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(2)
@@ -166,7 +173,9 @@ def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps
     print(
         f"profile batch {batch}: {wall:.2f} ms/step wall (profiled), GPU busy {gpu_us / 1e3:.2f} ms/step"
     )
-    print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+    if table:
+        print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+    return gpu_us / 1e3
 
 
 def profile_new_length(engine: Engine, length: int, vocab: int) -> None:
@@ -203,6 +212,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-gen", type=int, default=16, help="tokens of the warm-up run")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", choices=("auto", "on", "off", "both"), default="auto",
+                        help="overlapped scheduling; both: on and off interleaved, one engine")  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s (H200 copy)")
     parser.add_argument("--new-lengths", default="", help="e.g. 301,517,999 ('' skips)")
     parser.add_argument("--label", default="", help="tag printed in every JSON row")
@@ -217,7 +228,10 @@ def main() -> None:
                     dtype="bfloat16", load_format="dummy",
                     max_total_tokens=max(batches) * (args.prompt_len + args.gen_len) + 4096,
                     max_num_seqs=max(batches), enable_prefix_caching=False,
-                    enforce_eager=args.enforce_eager, cuda_graph_max_bs=max(batches))  # fmt: skip
+                    enforce_eager=args.enforce_eager, cuda_graph_max_bs=max(batches),
+                    async_scheduling={"on": True, "off": False}.get(args.async_scheduling))  # fmt: skip
+    modes = [engine.is_overlapped] if args.async_scheduling != "both" else [True, False]
+    step_ms = {}  # (batch, overlapped) -> unprofiled ms per decode step
     load_s = time.perf_counter() - t0
     graphs = getattr(engine.runner, "decode_graphs", None) is not None
     gen = torch.Generator().manual_seed(0)
@@ -225,23 +239,43 @@ def main() -> None:
     for batch in batches:
         prompts = [torch.randint(100, vocab - 1, (args.prompt_len,), generator=gen).tolist()
                    for _ in range(batch)]  # fmt: skip
-        decode_run(engine, prompts, args.warmup_gen)  # graph capture, allocator, autotune
-        runs = [decode_run(engine, prompts, args.gen_len) for _ in range(args.repeats)]
+        runs = {mode: [] for mode in modes}
+        for mode in modes:  # graph capture, allocator, autotune
+            engine.is_overlapped = mode
+            decode_run(engine, prompts, args.warmup_gen)
+        for _ in range(args.repeats):
+            for mode in modes:
+                engine.is_overlapped = mode
+                runs[mode].append(decode_run(engine, prompts, args.gen_len))
         context = args.prompt_len + args.gen_len / 2
         top = roofline(engine, batch, context, args.bandwidth)
-        tok_s = statistics.median(runs)
-        print(json.dumps(dict(label=args.label, geometry=args.geometry, batch=batch,
-                              decode_tok_s=round(tok_s, 1), runs=[round(r, 1) for r in runs],
-                              roofline_tok_s=round(top, 1), roofline_frac=round(tok_s / top, 3),
-                              graphs=graphs, load_s=round(load_s, 1),
-                              gpu=torch.cuda.get_device_name())), flush=True)  # fmt: skip
+        medians = {mode: statistics.median(r) for mode, r in runs.items()}
+        for mode in modes:
+            tok_s = medians[mode]
+            step_ms[batch, mode] = batch / tok_s * 1e3
+            extra = {}
+            if len(modes) == 2 and mode:
+                extra = dict(overlap_over_sync=round(tok_s / medians[False], 3))
+            print(json.dumps(dict(label=args.label, geometry=args.geometry, batch=batch,
+                                  async_scheduling=mode, decode_tok_s=round(tok_s, 1),
+                                  runs=[round(r, 1) for r in runs[mode]],
+                                  roofline_tok_s=round(top, 1), roofline_frac=round(tok_s / top, 3),
+                                  graphs=graphs, load_s=round(load_s, 1),
+                                  gpu=torch.cuda.get_device_name(), **extra)), flush=True)  # fmt: skip
     lengths = [int(x) for x in args.new_lengths.split(",") if x]
     if lengths:  # warm the allocator past every length, so only shapes are new
         new_length_prefills(engine, [max(lengths) + 64], vocab)
     for row in new_length_prefills(engine, lengths, vocab) if lengths else []:
         print(json.dumps(dict(label=args.label, geometry=args.geometry, **row)), flush=True)
-    if args.profile_batch:
-        profile_steps(engine, args.profile_batch, args.prompt_len, vocab)
+    for mode in modes if args.profile_batch else []:
+        engine.is_overlapped = mode
+        busy = profile_steps(engine, args.profile_batch, args.prompt_len, vocab,
+                             table=len(modes) == 1)  # fmt: skip
+        step = step_ms.get((args.profile_batch, mode))
+        print(json.dumps(dict(label=args.label, geometry=args.geometry, profile_batch=args.profile_batch,
+                              async_scheduling=mode, gpu_busy_ms=round(busy, 3),
+                              step_ms=step and round(step, 3),
+                              gpu_idle_frac=step and round(1 - busy / step, 3))), flush=True)  # fmt: skip
     if args.profile_new_length:
         profile_new_length(engine, args.profile_new_length, vocab)
 

@@ -147,6 +147,14 @@ def model_flags(add: Adder, d: dict[str, Any]) -> None:
         help="Never capture CUDA graphs for decode (CUDA only; other devices always run eagerly).",
     )
     add(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Overlapped scheduling: launch the next decode step while the current one runs "
+        "and postprocess meanwhile (docs/engine.md). Default: on for CUDA, off elsewhere and "
+        "under tensor parallel.",
+    )
+    add(
         "--cuda-graph-max-bs",
         type=int,
         default=d["cuda_graph_max_bs"],
