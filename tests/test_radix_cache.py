@@ -3,7 +3,7 @@ counting with the BlockManager, LRU eviction of unreferenced leaves, payload-gat
 
 import random
 
-from torch_runner.kv.block_manager import BlockManager
+from torch_runner.kv.block_manager import NO_BLOCK, BlockManager
 from torch_runner.kv.radix_cache import RadixCache
 
 BS = 4
@@ -179,3 +179,42 @@ def test_deep_chains_do_not_recurse():
     bm.release(table)
     assert cache.num_evictable_blocks() == 3000
     assert cache.evict(3000) == 3000 and bm.num_free_blocks == 4096
+
+
+def test_hole_nodes_hold_no_block_and_matches_end_where_the_window_is_held():
+    """Paged all-window models cache blocks given back behind the window as holes (NO_BLOCK):
+    no reference is taken, a match needs the blocks of its last window (here 8 tokens: two
+    nodes), a later insert with a real block fills a hole, eviction counts only real blocks."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    cache = RadixCache(bm, window=8)
+    tokens = list(range(28))  # 7 blocks
+    table: list[int] = []
+    bm.grow(table, 28)
+    for j in (1, 2, 3):  # the middle went behind the window
+        bm.decref(table[j])
+        table[j] = NO_BLOCK
+    cache.insert(tokens, table)
+    bm.release(table)
+    assert bm.num_used_blocks == 4 and cache.num_nodes == 7
+    for limit, expect in ((28, 7), (24, 6), (20, 1), (8, 1), (4, 1)):
+        blocks, restore = cache.match_prefix(tokens, limit)
+        assert len(blocks) == expect and restore is None, limit
+    assert cache.match_prefix(tokens, 28)[0][1:4] == [NO_BLOCK] * 3
+    refill: list[int] = []
+    bm.grow(refill, 16)
+    cache.insert(tokens[:16], refill)  # block 0 exists; blocks 1-3 fill the holes
+    bm.release(refill)
+    assert (
+        len(cache.match_prefix(tokens, 16)[0]) == 4
+        and NO_BLOCK not in cache.match_prefix(tokens, 28)[0]
+    )
+    assert cache.num_evictable_blocks() == 7
+    assert cache.evict(16) == 7 and bm.num_free_blocks == 16
+
+
+def test_block_manager_ignores_references_on_no_block():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    table = [bm.allocate(), NO_BLOCK, bm.allocate()]
+    bm.incref(NO_BLOCK)
+    bm.release(table)
+    assert bm.num_free_blocks == 4 and table == []

@@ -11,6 +11,7 @@ import pytest
 from engine_helpers import hf_greedy, save_engine_checkpoint
 
 from torch_runner import Engine, SamplingParams
+from torch_runner.kv.block_manager import NO_BLOCK
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,8 +33,8 @@ def checkpoints(tmp_path_factory):
 
 
 def _engine(path, chunk, **kwargs):
-    return Engine(path, device="cpu", max_total_tokens=1024, block_size=BS,
-                  chunked_prefill_size=chunk, **kwargs)  # fmt: skip
+    defaults = dict(device="cpu", max_total_tokens=1024, block_size=BS, chunked_prefill_size=chunk)
+    return Engine(path, **{**defaults, **kwargs})
 
 
 def _logprobs(out):
@@ -41,7 +42,7 @@ def _logprobs(out):
 
 
 def _assert_same(warm, cold, hf, prompt):
-    assert warm.token_ids == cold.token_ids == hf_greedy(hf, prompt, PARAMS.max_tokens)
+    assert warm.token_ids == cold.token_ids == hf_greedy(hf, prompt, len(cold.token_ids))
     # fp32: KV computed in other chunk shapes (decode, a restored window) rounds differently,
     # up to 4.9e-5 here and as much with swa_kv="paged" (the pool's own KV, no window copies);
     # a window off by one token moves them by more than 1e-2
@@ -116,3 +117,77 @@ def test_window_shorter_than_a_block_is_reused_at_block_boundaries(checkpoints):
     assert [o.num_cached_tokens for o in outs] == [0, 32]
     for out, prompt in zip(outs, prompts):
         _assert_same(out, cold.generate(prompt, PARAMS)[0], hf, prompt)
+
+
+# ---- swa_kv="paged": every layer windowed (Mistral) gives back blocks behind the window -------
+
+
+def _paged(path, **kwargs):
+    return _engine(path, kwargs.pop("chunk", 16), swa_kv="paged", **kwargs)
+
+
+def _live_blocks(table):
+    return sum(b != NO_BLOCK for b in table)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_paged_all_window_model_frees_blocks_behind_the_window(checkpoints, caching):
+    path, hf = checkpoints["mistral"]
+    engine = _paged(path, enable_prefix_caching=caching)
+    assert engine.runner.layout.frees_behind_window and not engine.runner.layout.has_swa
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompt = SYSTEM + [5, 6, 7]
+    rid = engine.add_request(None, prompt, params)
+    seq, most, out = engine.scheduler.find(rid), 0, None
+    while engine.has_unfinished():
+        outputs = engine.step()
+        out = outputs[-1] if outputs else out
+        if not seq.is_finished and seq.num_computed_tokens >= len(prompt):  # decoding
+            # (admission takes the whole prompt's blocks at once; prefill gives them back)
+            most = max(most, _live_blocks(seq.block_table))
+            if not caching:  # nothing else holds a block: the pool holds only the window
+                assert engine.block_manager.num_used_blocks == _live_blocks(seq.block_table)
+    assert most <= 8 // BS + 2  # window 8: two blocks, plus the one being filled and the next
+    assert len(prompt) + 60 > 8 * most  # ... of a sequence 20 blocks long
+    cold = _engine(path, 16, enable_prefix_caching=False)  # windowed caches: another path
+    _assert_same(out, cold.generate(prompt, params)[0], hf, prompt)
+
+
+def test_paged_chat_reuses_the_conversation_across_freed_blocks(checkpoints):
+    """Turn 2 matches the whole previous conversation although its middle blocks were given
+    back (hole nodes): only the window before the match end must be held. A prompt that
+    diverges inside the holes falls back to the deepest node whose window is held."""
+    path, hf = checkpoints["mistral"]
+    engine = _paged(path)
+    cold = _engine(path, 16, enable_prefix_caching=False)
+    long_params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=True)
+    turn1 = SYSTEM + [5, 6, 7]
+    first = engine.generate(turn1, long_params)[0]
+    turn2 = turn1 + first.token_ids + [30, 31, 32]
+    second = engine.generate(turn2, PARAMS)[0]
+    assert second.num_cached_tokens == ((len(turn1) + 30 - 1) // BS) * BS
+    _assert_same(second, cold.generate(turn2, PARAMS)[0], hf, turn2)
+    forked = turn1 + first.token_ids[:14] + [77, 78]  # diverges where turn 1's blocks are holes
+    third = engine.generate(forked, PARAMS)[0]
+    assert 0 < third.num_cached_tokens < len(forked)
+    _assert_same(third, cold.generate(forked, PARAMS)[0], hf, forked)
+
+
+def test_paged_tiny_pool_with_freed_blocks_finishes_every_request(checkpoints):
+    path, hf = checkpoints["mistral"]
+    engine = _paged(path, max_total_tokens=64, max_num_seqs=6)
+    prompts = [list(range(10 + i, 30 + i)) for i in range(5)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    for out, prompt in zip(outs, prompts):
+        assert out.token_ids == hf_greedy(hf, prompt, 24)
+
+
+def test_paged_model_with_full_layers_frees_nothing(checkpoints):
+    path, _ = checkpoints["gpt_oss"]
+    engine = _paged(path)
+    assert not engine.runner.layout.frees_behind_window
+    rid = engine.add_request(None, SYSTEM, SamplingParams(max_tokens=20, temperature=0.0))
+    seq = engine.scheduler.find(rid)
+    while engine.has_unfinished():
+        engine.step()
+        assert NO_BLOCK not in seq.block_table

@@ -20,7 +20,7 @@ from torch_runner.config import EngineConfig
 from torch_runner.distributed.launch import start_tensor_parallel
 from torch_runner.kv.block_manager import BlockManager
 from torch_runner.kv.radix_cache import RadixCache
-from torch_runner.kv.windows import payload_cap
+from torch_runner.kv.windows import free_behind_window, payload_cap
 from torch_runner.outputs import RequestOutput
 from torch_runner.request_state import RequestState
 from torch_runner.runner.model_runner import (
@@ -129,7 +129,8 @@ class Engine:
         self.runner = ModelRunner(loaded, config, num_blocks, self.device, self.dtype, sorted(eos),
                                   tensor_parallel=tp and tp.plan)  # fmt: skip
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        window = self.args.sliding_window if self.runner.layout.has_swa else None
+        layout = self.runner.layout  # windowed SWA (payloads) or paged with holes: matches
+        window = layout.window if layout.has_swa or layout.frees_behind_window else None  # need it
         self.prefix_cache = (
             RadixCache(
                 self.block_manager,
@@ -278,6 +279,11 @@ class Engine:
         result = self.runner.execute(out.chunks, self._grammar_rows)
         self.scheduler.advance(out)
         self._publish_prefixes(out.chunks)
+        if self.runner.layout.frees_behind_window:  # every layer windowed, all in the pool
+            for chunk in out.chunks:
+                seq = chunk.seq
+                free_behind_window(self.block_manager, seq.block_table, seq.num_computed_tokens,
+                                   self.runner.layout.window)  # fmt: skip
         outputs = []
         for i, (rid, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             state = self.requests[rid]

@@ -15,6 +15,11 @@ any block boundary whose window is covered, and such models match only up to the
 whose window is (a node without one falls back to the deepest covered ancestor: never KV without
 its window). Payloads are capped (`max_payloads` nodes, LRU, deepest first among equals)
 because they live outside the pool.
+
+Paged models whose every layer is windowed give back blocks behind the window (`NO_BLOCK`
+entries, kv/windows.py); such a block is cached as a hole node that holds no block, and a
+match stops at the deepest node whose window's blocks are all held (the same rule, with
+"holds its block" for "holds a payload"), so no key inside a window is ever missing.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from torch_runner.kv.block_manager import BlockManager
+from torch_runner.kv.block_manager import NO_BLOCK, BlockManager
 
 
 class _Node:
@@ -95,7 +100,9 @@ class RadixCache:
             path.append(node)
         restore = None
         if need_payload:
-            path, restore = self._covered_prefix(path)
+            path, restore = self._covered_prefix(path, lambda n: n.payload is not None)
+        elif self.window is not None:  # holes (NO_BLOCK) only where blocks left the window
+            path, _ = self._covered_prefix(path, lambda n: n.block_id != NO_BLOCK)
         for visited in path:
             visited.last_access = now
         self.num_queried_tokens += len(token_ids)
@@ -108,11 +115,12 @@ class RadixCache:
             return 1
         return -(-min(self.window, end) // self.block_size)
 
-    def _covered_prefix(self, path: list[_Node]) -> tuple[list[_Node], Any]:
-        """The longest prefix of `path` whose last window is held in payloads, and its restore."""
-        run = best = 0  # run: consecutive payload nodes ending at node i
+    def _covered_prefix(self, path: list[_Node], holds) -> tuple[list[_Node], Any]:
+        """The longest prefix of `path` whose last window is held (`holds(node)`: its payload,
+        or its block), and its restore (end, payloads of the window's nodes)."""
+        run = best = 0  # run: consecutive holding nodes ending at node i
         for i, node in enumerate(path):
-            run = run + 1 if node.payload is not None else 0
+            run = run + 1 if holds(node) else 0
             if run >= self._window_nodes((i + 1) * self.block_size):
                 best = i + 1
         if not best:
@@ -140,11 +148,14 @@ class RadixCache:
         for i, (key, block_id) in enumerate(zip(self._keys(token_ids, len(block_ids)), block_ids)):
             child = node.children.get(key)
             if child is None:
-                self.block_manager.incref(block_id)
+                self.block_manager.incref(block_id)  # NO_BLOCK: a hole node, no reference
                 child = _Node(key, block_id, node, node.depth + 1)
                 node.children[key] = child
                 self._num_nodes += 1
                 created += 1
+            elif child.block_id == NO_BLOCK and block_id != NO_BLOCK:  # a hole filled again
+                self.block_manager.incref(block_id)
+                child.block_id = block_id
             child.last_access = now
             node = child
             if payload is not None and node.payload is None:
@@ -172,7 +183,7 @@ class RadixCache:
         return (
             node is not self._root
             and not node.children
-            and self.block_manager.refcount(node.block_id) == 1
+            and (node.block_id == NO_BLOCK or self.block_manager.refcount(node.block_id) == 1)
         )
 
     def _all_nodes(self):
@@ -193,11 +204,12 @@ class RadixCache:
         is_free: dict[int, bool] = {}
         total = 0
         for node in reversed(order):  # children before their parents
-            free = self.block_manager.refcount(node.block_id) == 1 and all(
+            is_hole = node.block_id == NO_BLOCK
+            free = (is_hole or self.block_manager.refcount(node.block_id) == 1) and all(
                 is_free[id(c)] for c in node.children.values()
             )
             is_free[id(node)] = free
-            total += free
+            total += free and not is_hole
         return total
 
     def evict(self, num_blocks: int) -> int:
@@ -209,7 +221,7 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             self._remove(node)
-            freed += 1
+            freed += node.block_id != NO_BLOCK
             if self._is_evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed

@@ -8,6 +8,12 @@ min(block_size, window) tokens of one block ([L_swa, Hkv, n, D] each), so the wi
 any cached block boundary is the join of the last ceil(window / block_size) payloads of its
 path (radix_cache.py). Memory: one payload node per block instead of one window per chunk;
 the cap (`max_cached_windows` windows' worth of tokens, `payload_cap`) keeps the bound.
+
+Paged windows (`swa_kv="paged"`) hold every token's KV in pool blocks, so a block is only
+dead once no layer can read it. That is so when every layer is windowed: `free_behind_window`
+gives back the blocks behind the window (the table keeps a NO_BLOCK hole there). When full
+layers share the block (gpt-oss, Gemma 3: one block table for all layers) nothing is freed;
+that would need a second pool and table for the SWA layers.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from torch_runner.kv.block_manager import NO_BLOCK
 from torch_runner.kv.caches import WindowedKVCache
 
 Payload = tuple[torch.Tensor, torch.Tensor]  # keys, values [L_swa, Hkv, n, D]
@@ -71,3 +78,20 @@ def restore_windows(window: int, restore) -> list[WindowedKVCache]:
         WindowedKVCache.restore(window, keys[i : i + 1], values[i : i + 1], end)
         for i in range(keys.shape[0])
     ]
+
+
+def free_behind_window(block_manager, block_table: list[int], num_computed: int, window: int):
+    """Give back this table's blocks that no future query can read: the next query sits at
+    `num_computed` and sees keys from num_computed - window + 1 on, so a block ending at or
+    before num_computed - window is dead for every layer (layout.frees_behind_window). Its
+    entry becomes NO_BLOCK (the table keeps positions). Walks back from the newest dead block
+    to the first hole, so a step costs O(blocks freed). Returns how many entries it cleared."""
+    bs = block_manager.block_size
+    j = min(max(num_computed - window, 0) // bs, len(block_table)) - 1
+    cleared = 0
+    while j >= 0 and block_table[j] != NO_BLOCK:
+        block_manager.decref(block_table[j])
+        block_table[j] = NO_BLOCK
+        cleared += 1
+        j -= 1
+    return cleared
