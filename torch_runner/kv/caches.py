@@ -240,7 +240,11 @@ class PagedStepMeta:
         table = block_tables[0]
         num_blocks = -(-s_max // block_size)
         self.first_slot = None
-        if b == 1 and all(table[i + 1] == table[i] + 1 for i in range(num_blocks - 1)):
+        if (
+            b == 1
+            and table[0] >= 0  # not a block given back (NO_BLOCK): [-1, 0, 1] is no slice
+            and all(table[i + 1] == table[i] + 1 for i in range(num_blocks - 1))
+        ):
             self.first_slot = table[0] * block_size
         is_tail = len(set(kv_lens)) == 1 and len(set(num_new)) == 1
         self.layout = KeyLayout.contiguous(lens, is_causal_tail=is_tail)
