@@ -10,7 +10,10 @@ sinks, MoE; dummy weights) and a Llama geometry (full attention only), with chun
   answer + a new question; reported: turn 2's num_cached_tokens beside the previous turn's
   tokens that had KV (prompt + answer - 1), block-aligned.
 Both check the greedy tokens against a cold engine (prefix caching off), and time turn 2's
-prefill (max_tokens=1) warm vs cold (median of --repeats).
+prefill (max_tokens=1) warm vs cold (median of --repeats). Last, the pool blocks a paged
+(swa_kv="paged") all-windowed model (Mistral-style, window 128) holds at most while one request
+generates --long-gen tokens after the prefix (prefix caching off), beside the blocks its tokens
+span: blocks wholly behind the window are given back.
 
     .venv/bin/python tools/bench_prefix_reuse.py
     .venv/bin/python tools/bench_prefix_reuse.py --swa-kv paged   # SWA layers in the pool
@@ -42,6 +45,15 @@ GEOMETRIES = {
         sliding_window=128,
         layer_types=["sliding_attention", "full_attention"] * 2,
         rope_theta=150000.0,
+        **COMMON,
+    ),  # fmt: skip
+    "mistral-style": dict(  # every layer windowed: paged mode can give back old blocks
+        model_type="mistral",
+        architectures=["MistralForCausalLM"],
+        num_hidden_layers=4,
+        intermediate_size=512,
+        sliding_window=128,
+        rope_theta=10000.0,
         **COMMON,
     ),  # fmt: skip
     "llama": dict(
@@ -103,6 +115,27 @@ def scenario(path: str, args, chunk: int) -> dict:
                 cold_ms=statistics.median(times[False]) * 1e3, same=same)  # fmt: skip
 
 
+def peak_blocks(path: str, args) -> tuple[int, int, int]:
+    """Pool blocks in use by one long request: (most after a prefill step, most while it
+    decodes, blocks its tokens span). Admission takes the whole prompt's blocks at once (the
+    scheduler), so the prompt's blocks are the peak inside the first step."""
+    from models.default_model import default_model_path
+
+    engine = Engine(path, device="cpu", load_format="dummy", tokenizer=str(default_model_path()),
+                    max_total_tokens=8192, swa_kv="paged", enable_prefix_caching=False)  # fmt: skip
+    prompt = random.Random(1).choices(range(3, 4000), k=args.prefix_len)
+    params = SamplingParams(temperature=0.0, max_tokens=args.long_gen, ignore_eos=True)
+    seq = engine.scheduler.find(engine.add_request(None, prompt, params))
+    most = {True: 0, False: 0}  # decoding -> most blocks in use after a step
+    while engine.has_unfinished():
+        is_decoding = seq.num_computed_tokens >= len(prompt)
+        engine.step()
+        if engine.has_unfinished():
+            used = engine.block_manager.num_used_blocks
+            most[is_decoding] = max(most[is_decoding], used)
+    return most[False], most[True], -(-(args.prefix_len + args.long_gen) // 16)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -112,6 +145,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512, help="chunked_prefill_size when on")
     parser.add_argument("--swa-kv", default="auto", help="auto | windowed | paged")
     parser.add_argument("--repeats", type=int, default=3, help="timed turn-2 prefills (median)")
+    parser.add_argument("--long-gen", type=int, default=512, help="tokens of the block check")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_prefix_"))
     print(f"shared prefix {args.prefix_len} tokens, {args.gen_len} generated per turn, block 16, "
@@ -126,6 +160,11 @@ def main() -> None:
             print(f"| {name} | {chunk or 'off'} | {r['shared']} / {r['best_shared']} "
                   f"| {r['chat']} / {r['best_chat']} ({r['turn2']}) "
                   f"| {r['warm_ms']:.1f} / {r['cold_ms']:.1f} | {'yes' if r['same'] else 'NO'} |")  # fmt: skip
+
+    prefill, decode, spanned = peak_blocks(str(tmp / "mistral-style"), args)
+    print(f"\nmistral-style, swa_kv paged, prefix caching off, {args.prefix_len} + {args.long_gen} "
+          f"tokens ({spanned} blocks): at most {prefill} pool blocks in use after a prefill step, "
+          f"{decode} while decoding")  # fmt: skip
 
 
 if __name__ == "__main__":
