@@ -279,11 +279,7 @@ class Engine:
         result = self.runner.execute(out.chunks, self._grammar_rows)
         self.scheduler.advance(out)
         self._publish_prefixes(out.chunks)
-        if self.runner.layout.frees_behind_window:  # every layer windowed, all in the pool
-            for chunk in out.chunks:
-                seq = chunk.seq
-                free_behind_window(self.block_manager, seq.block_table, seq.num_computed_tokens,
-                                   self.runner.layout.window)  # fmt: skip
+        self._free_behind_window(out.chunks)
         outputs = []
         for i, (rid, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             state = self.requests[rid]
@@ -315,6 +311,16 @@ class Engine:
                 has_windows or chunk.start < chunk.seq.num_prompt_tokens
             ):
                 self.scheduler.cache_prefix(chunk.seq, self._payload(chunk.seq))
+
+    def _free_behind_window(self, chunks) -> None:
+        """Paged models whose every layer is windowed give back the blocks no query can read
+        again (after publishing them: the prefix cache keeps what it cached; kv/windows.py)."""
+        layout = self.runner.layout
+        if layout.frees_behind_window:
+            for chunk in chunks:
+                seq = chunk.seq
+                free_behind_window(self.block_manager, seq.block_table, seq.num_computed_tokens,
+                                   layout.window)  # fmt: skip
 
     def _payload(self, seq: Sequence):
         """The prefix cache's per-block window payloads of `seq` (None: no windowed layers)."""
