@@ -161,7 +161,12 @@ def test_prefix_hits_equal_sync(checkpoints, model_type):
         first = engine.generate(prompts[:1], params)
         warm = engine.generate(prompts[1:], params)
         assert warm[0].num_cached_tokens >= 16
-        return _summary(first + warm), [o.num_cached_tokens for o in first + warm]
+        # a second chat turn: the previous turn's decode blocks (published a chunk late when
+        # chained) are hit too
+        turn2 = engine.generate([prompts[0] + first[0].token_ids + [7, 7]], params)
+        assert turn2[0].num_cached_tokens >= 36
+        outs = first + warm + turn2
+        return _summary(outs), [o.num_cached_tokens for o in outs]
 
     sync, overlapped, _ = _both(path, run)
     assert overlapped == sync

@@ -74,16 +74,9 @@ class EngineSteps:
         self.scheduler.advance(out)
         for seq in launched.seqs:
             seq.num_output_placeholders += 1
-        if self.prefix_cache is not None:
-            # every prompt chunk publishes its blocks (SWA models: with a window snapshot), so
-            # concurrent and later requests can hit at chunk granularity (overlapped: before
-            # the KV is written, but every reader is a later step on the same stream)
-            for chunk in out.chunks:
-                if (
-                    chunk.start < chunk.seq.num_prompt_tokens
-                    and chunk.end >= self.config.block_size
-                ):
-                    self.scheduler.cache_prefix(chunk.seq, self._payload(chunk.seq))
+        # (overlapped: before the KV is written, but every reader is a later step on the stream)
+        self._publish_prefixes(out.chunks)
+        self._free_behind_window(out.chunks)
         return launched
 
     def _postprocess(self, launched: LaunchedStep) -> list[RequestOutput]:
@@ -112,12 +105,6 @@ class EngineSteps:
                 del self.requests[seq.request_id]
             outputs.append(state.make_output())
         return outputs
-
-    def _payload(self, seq: Sequence):
-        if not self.runner.layout.has_swa or self.prefix_cache is None:
-            return None
-        end = (seq.num_computed_tokens // self.config.block_size) * self.config.block_size
-        return self.runner.snapshot_windows(seq.request_id, end) if end else None
 
     def _grammar_rows(self, chunks):
         grammars = [self.requests[c.seq.request_id].grammar for c in chunks]

@@ -137,7 +137,9 @@ class Scheduler:
         """Insert the full blocks computed so far into the prefix cache (no release)."""
         if self.prefix_cache is None:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # only known tokens key the tree: an overlapped step's placeholder input is not yet
+        num_known = min(seq.num_computed_tokens, seq.num_tokens)
+        num_full = min(num_known // self.block_size, len(seq.block_table))
         if num_full:
             self.prefix_cache.insert(
                 seq.token_slice(0, num_full * self.block_size), seq.block_table[:num_full], payload

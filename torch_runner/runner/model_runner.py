@@ -26,6 +26,7 @@ from torch_runner.kv.caches import (
     WindowedBatchView,
     WindowedKVCache,
 )
+from torch_runner.kv.windows import payload_source, restore_windows
 from torch_runner.runner.cpu_decode import FlatDecoder, supports_fast_decode
 from torch_runner.runner.cuda_graphs import DecodeGraphs
 from torch_runner.runner.launched import (
@@ -174,23 +175,17 @@ class ModelRunner:
     def free(self, request_id: str) -> None:
         self.swa_caches.pop(request_id, None)
 
-    def snapshot_windows(self, request_id: str, end_position: int):
-        """Prefix-cache payload: every SWA layer's window ending at `end_position`, or None."""
-        caches = self.swa_caches.get(request_id)
-        if not caches:
-            return None
-        snaps = [cache.snapshot(end_position) for cache in caches]
-        if any(s is None for s in snaps):
-            return None
-        return (end_position, snaps)
+    def snapshot_windows(self, request_id: str):
+        """Prefix-cache payloads of this request: block index -> every SWA layer's keys/values
+        of that block's tail (kv/windows.py), or None without SWA caches."""
+        return payload_source(self.swa_caches.get(request_id), self.block_size)
 
     def _swa_caches_for(self, chunk: ScheduledChunk) -> list[WindowedKVCache]:
         rid = chunk.seq.request_id
         caches = self.swa_caches.get(rid)
         if chunk.restore_from is not None:
-            end, snaps = chunk.restore_from
-            assert end == chunk.start, "prefix payload does not end where the chunk starts"
-            caches = [WindowedKVCache.restore(self.layout.window, k, v, end) for k, v in snaps]
+            assert chunk.restore_from[0] == chunk.start, "prefix payload does not end at the chunk"
+            caches = restore_windows(self.layout.window, chunk.restore_from)
         elif caches is None or chunk.start == 0:
             caches = [WindowedKVCache(self.layout.window) for _ in self.swa_layers]
         if caches and caches[0].offset != chunk.start:
@@ -203,7 +198,7 @@ class ModelRunner:
     # ---- the step ---------------------------------------------------------------------
     def _forward_group(self, group: list[ScheduledChunk]) -> torch.Tensor:
         """Run one forward over `group`; returns hidden [B, N, H]."""
-        is_chained = any(c.is_chained for c in group)
+        is_chained = any(_is_chained(c) for c in group)
         future = self._future[0] if is_chained else None
         if self.decode_graphs is not None and self.decode_graphs.can_run(group):
             tokens = [self._input_tokens(c)[0] for c in group]
@@ -243,7 +238,7 @@ class ModelRunner:
 
     def _input_tokens(self, chunk: ScheduledChunk) -> list[int]:
         """The chunk's input ids; a chained chunk's one input is a placeholder (launched.py)."""
-        if not chunk.is_chained:
+        if not _is_chained(chunk):
             return chunk.seq.token_slice(chunk.start, chunk.end)
         rows = self._future[1] if self._future is not None else {}
         if chunk.seq.request_id not in rows:
@@ -327,6 +322,12 @@ class ModelRunner:
         # the next step's chained rows read the sampler's ids (always valid vocabulary ids)
         self._future = (out.token_ids, {s.request_id: i for i, s in enumerate(seqs)})
         return LaunchedStep(seqs, token_ids, out.logprobs, out.top_logprobs)
+
+
+def _is_chained(chunk) -> bool:
+    """ScheduledChunk.is_chained; a tensor-parallel worker's chunks (distributed/worker.py) are
+    never chained (overlap is off under tensor parallel) and do not carry the flag."""
+    return getattr(chunk, "is_chained", False)
 
 
 def _output_ids(chunk: ScheduledChunk) -> list[int]:
