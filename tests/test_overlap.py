@@ -276,3 +276,33 @@ def test_overlapped_decode_steps_never_sync_the_stream(checkpoints, temperature)
     syncs = [str(w.message) for w in caught if "synchronizing CUDA operation" in str(w.message)]
     assert syncs == [], syncs[:3]
     assert all(engine.chained[-10:])
+
+
+def test_async_engine_streams_an_overlapped_engine_like_the_sync_one(checkpoints):
+    """The server's background loop over an overlapped engine: every stream ends with the
+    synchronous engine's tokens, and the deltas add up to them."""
+    import asyncio
+
+    from torch_runner.async_engine import AsyncEngine
+
+    path, _ = checkpoints["llama"]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6 + 3 * i)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    sync = _engine(path, False).generate(PROMPTS, params)
+    server = AsyncEngine(_engine(path, True))
+    server.start()
+
+    async def one(i):
+        outs = [o async for o in server.generate(f"r{i}", PROMPTS[i], params[i])]
+        return outs[-1].token_ids, [t for o in outs for t in o.delta_token_ids]
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+    try:
+        streamed = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert [s[0] for s in streamed] == [o.token_ids for o in sync]
+    assert [s[1] for s in streamed] == [o.token_ids for o in sync]
+    assert sum(server.engine.chained) > 0
