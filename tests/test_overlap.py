@@ -306,3 +306,26 @@ def test_async_engine_streams_an_overlapped_engine_like_the_sync_one(checkpoints
     assert [s[0] for s in streamed] == [o.token_ids for o in sync]
     assert [s[1] for s in streamed] == [o.token_ids for o in sync]
     assert sum(server.engine.chained) > 0
+
+
+def test_a_non_finite_row_ends_only_its_request_when_chained(checkpoints):
+    """NaN logits (injected in the embedding, as test_reliability_nonfinite does) end that
+    request with an error; its chained slot reads a valid id, so batchmates go on unchanged."""
+    path, _ = checkpoints["llama"]
+    prompts = [[5, 6, 7, 8], [1, 2, 77, 3], list(range(20, 41))]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, logprobs=True)
+
+    def run(engine):
+        def hook(module, inputs, output):
+            return output.masked_fill((inputs[0] == 77)[..., None], float("nan"))
+
+        handle = engine.runner.model.model.embed_tokens.register_forward_hook(hook)
+        try:
+            return _summary(engine.generate(prompts, params))
+        finally:
+            handle.remove()
+
+    sync, overlapped, engine = _both(path, run, enable_prefix_caching=False)
+    assert overlapped == sync
+    assert overlapped[1][1] == "error" and overlapped[1][0] == []
+    assert engine.block_manager.num_used_blocks == 0 and engine.num_non_finite == 1
