@@ -23,6 +23,9 @@ pytestmark = [
 ]
 
 
+CALM = 0.05  # the tiny llama's 0.2 init amplifies any rounding ~10x over its 3 layers
+
+
 def needs_fp8():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 matmuls need compute capability 8.9+")
@@ -82,7 +85,7 @@ def test_weight_only_fp8_kernel_equals_the_dequantised_matmul(monkeypatch, m):
 @pytest.mark.parametrize("layout", ["tensor", "channel", "block"])
 def test_fp8_checkpoint_on_cuda_is_close_to_its_dequantised_weights(tmp_path, layout):
     needs_fp8()
-    fp8_dir, dense_dir = write_fp8_checkpoint(tmp_path, layout)
+    fp8_dir, dense_dir = write_fp8_checkpoint(tmp_path, layout, initializer_range=CALM)
     loaded = models.load_model(fp8_dir, device="cuda", dtype="bfloat16")
     qkv = loaded.model.model.layers[0].self_attn.qkv_weight
     assert qkv.uses_scaled_mm == (layout != "block")  # block scales: the reference path
@@ -128,31 +131,49 @@ def test_int_linear_on_cuda_equals_the_dequantised_matmul(mode, m):
     assert rel_err(got, x.float() @ dense.T) < 1e-2
 
 
+def dequantized(weight) -> torch.Tensor:
+    """The dense [N, K] weight a quantized weight stands for; int4 keeps no codes on CUDA, so its
+    kernel is applied to the identity (each output is one weight times 1: its dequantised value)."""
+    if hasattr(weight, "dequantize"):
+        return weight.dequantize()
+    eye = torch.eye(weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return weight.matmul(eye).T.contiguous()
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["fp8", "int8", "int4"])
-def test_quantized_model_on_cuda_is_close_to_bf16_and_graphs_equal_eager(tmp_path, mode):
-    """--quantization on CUDA: every dense linear and the lm_head replaced, logits near the bf16
-    model's (the quantization error alone), and CUDA-graph decode equal to eager decode."""
+def test_quantized_model_on_cuda_equals_its_dequantised_weights_and_graphs_equal_eager(
+    tmp_path, mode
+):
+    """--quantization on CUDA: every dense linear and the lm_head replaced; logits near a dense
+    bf16 model holding each replaced weight dequantised (kernel rounding, and for fp8 batches
+    past WEIGHT_ONLY_MAX_ROWS the activation quantization); CUDA-graph decode equal to eager."""
     if mode == "fp8":
         needs_fp8()
     from ops.quant.fp8 import Fp8Weight
     from ops.quant.int_linear import Int4Weight, Int8Weight
     from torch_runner import Engine, SamplingParams
 
-    _, dense_dir = write_fp8_checkpoint(tmp_path, "channel")  # its fp32 folder: a dense model
+    _, dense_dir = write_fp8_checkpoint(tmp_path, "channel", initializer_range=CALM)
     loaded = models.load_model(dense_dir, device="cuda", dtype="bfloat16", quantization=mode)
     ref = models.load_model(dense_dir, device="cuda", dtype="bfloat16")
     kind = {"fp8": Fp8Weight, "int8": Int8Weight, "int4": Int4Weight}[mode]
-    layer = loaded.model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_weight, kind)
-    assert isinstance(layer.mlp.down_proj.weight, kind)
-    assert isinstance(loaded.model.lm_head.weight, kind)
+    replaced = 0
+    for q_mod, r_mod in zip(loaded.model.modules(), ref.model.modules()):
+        for attr in ("qkv_weight", "gate_up_weight", "weight"):
+            value = vars(q_mod).get(attr)
+            if isinstance(value, kind):
+                replaced += 1
+                getattr(r_mod, attr).copy_(dequantized(value))
+    assert replaced == 3 * 4 + 1  # qkv, o, gate_up, down per layer, and the lm_head
     tokens = torch.randint(3, VOCAB_SIZE, (1, 24), device="cuda")
     pos = torch.arange(24, device="cuda")[None]
     got = loaded.model.compute_logits(loaded.model(tokens, pos, None))
     want = ref.model.compute_logits(ref.model(tokens, pos, None))
-    bound = {"fp8": 8e-2, "int8": 3e-2, "int4": 0.3}[mode]
-    assert torch.isfinite(got).all() and rel_err(got, want) < bound
+    assert torch.isfinite(got).all() and rel_err(got, want) < (6e-2 if mode == "fp8" else 1e-2)
+    one = loaded.model.compute_logits(loaded.model(tokens[:, :1], pos[:, :1], None))
+    ref_one = ref.model.compute_logits(ref.model(tokens[:, :1], pos[:, :1], None))
+    assert rel_err(one, ref_one) < 1e-2  # one row: fp8's weight-only kernel, no activation rounding
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7], list(range(20, 50))]
     outs = []
