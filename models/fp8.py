@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # both multiply: w ~ fp8 * s
 INPUT_SCALE_SUFFIX = ".input_scale"
-FP8_FORMATS = ("fp8 (fmt e4m3)", "fbgemm_fp8", "compressed-tensors float-quantized 8-bit")
+STRATEGIES = ("tensor", "channel", "block")  # compressed-tensors weight strategies read here
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,6 @@ def checkpoint_format(raw: dict) -> Fp8Format | None:
     if len(blocks) > 1:
         raise ValueError(f"compressed-tensors config_groups mix block structures {sorted(blocks)}")
     return Fp8Format(blocks.pop() if blocks else None)
-
-
-STRATEGIES = ("tensor", "channel", "block")
 
 
 def _block(value, field: str) -> tuple[int, int] | None:

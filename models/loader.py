@@ -68,8 +68,10 @@ def load_model(
     "float16". load_format: "safetensors", or "dummy" for seeded random weights built from the
     config alone (benchmarking a geometry without its checkpoint). moe_weights: "packed" keeps
     MXFP4 experts as on disk (gpt-oss), "dequantized" expands them to `dtype` at load (the
-    reference). quantization: "auto" (what the checkpoint holds: a GGUF's Q4/Q8 types, else
-    none), "none", or "int8" / "int4" weight-only linears (models/quantize.py). `path` may also be
+    reference). quantization: "auto" (what the checkpoint holds: a GGUF's Q4/Q8 types, an fp8
+    checkpoint's e4m3 weights (models/fp8.py), else none), "none" (an fp8 checkpoint is
+    dequantised at load), "int8" / "int4" weight-only linears, or "fp8" (per-channel e4m3 at
+    load; needs a CUDA GPU with fp8 matmuls) (models/quantize.py). `path` may also be
     a GGUF file or a folder holding one (models/gguf_loader.py). shard: a tensor-parallel plan
     (torch_runner/distributed/shard.py) whose `prepare(model)` reshapes the meta model to one
     rank's part and whose `shard_tensor(name, tensor)` slices each checkpoint tensor to it, so

@@ -38,9 +38,9 @@ def quantize_linears(
     (a GGUF's Q4 blocks); those are packed as they are, fused rows concatenated, not re-derived.
     head_mode: the lm_head's own mode when it differs (a GGUF with a Q8_0 embedding); default `mode`.
     """
-    if mode not in QUANTIZATIONS or mode in ("auto", "fp8"):
+    if mode not in ("none", "int8", "int4"):  # fp8: quantize_linears_fp8; auto: the loader's
         raise ValueError(
-            f"quantization={mode!r} is not supported; allowed values: {', '.join(QUANTIZATIONS)}"
+            f"quantization={mode!r} is not supported; allowed values: none, int8, int4"
         )
     if mode == "none":
         return 0

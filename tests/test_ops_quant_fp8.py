@@ -56,9 +56,11 @@ def test_reference_linear_equals_the_dense_matmul_of_the_dequantised_weight(dtyp
 
 @torch.no_grad()
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fp8_checkpoint_logits_equal_the_dequantised_checkpoint_exactly(tmp_path, layout):
+def test_fp8_checkpoint_logits_equal_the_dequantised_checkpoint_exactly(tmp_path, layout, caplog):
     fp8_dir, dense_dir = write_fp8_checkpoint(tmp_path, layout)
-    loaded = models.load_model(fp8_dir, device="cpu", dtype="float32")
+    with caplog.at_level("WARNING"):
+        loaded = models.load_model(fp8_dir, device="cpu", dtype="float32")
+    assert "fp8 checkpoint on cpu" in caplog.text and "reference path" in caplog.text
     qkv = loaded.model.model.layers[0].self_attn.qkv_weight
     assert isinstance(qkv, Fp8Weight) and qkv.weight.dtype == FP8_DTYPE
     assert (qkv.block is not None) == (layout == "block")
