@@ -75,19 +75,22 @@ def _fp8_weight_only_matmul(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, st
              mask=(rm[:, None] < M) & (rn[None, :] < N))  # fmt: skip
 
 
-def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def weight_only_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config=None
+) -> torch.Tensor:
     """x [M, K] bf16 / fp16 @ e4m3 weight [N, K].T times per-channel scale [N] -> [M, N] in x's
     dtype; activations stay unquantized. For small M (decode): narrow column tiles so that even
-    N = 2048 spreads over >= 128 programs, each streaming its rows of the weight once."""
+    N = 2048 spreads over >= 128 programs, each streaming its rows of the weight once.
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) to override (tools/bench_fp8_linear.py)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 16
-    block_n = 16 if n <= 4096 else 32
+    block_n, block_k, warps, stages = config or (16 if n <= 4096 else 32, 256, 4, 4)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _fp8_weight_only_matmul[grid](x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0),
-                                  out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256,
-                                  num_warps=4, num_stages=4)  # fmt: skip
+                                  out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                                  BLOCK_K=block_k, num_warps=warps, num_stages=stages)  # fmt: skip
     return out
