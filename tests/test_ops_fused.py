@@ -95,8 +95,10 @@ def _rope_inputs(device, dtype, t=5, hq=8, hkv=2, d=64, rot=64, slots=40):
     cos, sin = rope_tables(positions, inv_freq, 1.0, dtype)  # [T, 1, 1, D_rot]
     write = torch.randperm(slots, generator=gen)[:t]
     pools = [torch.full((slots, hkv, d), float("nan"), dtype=dtype) for _ in range(2)]
-    tensors = (qkv, cos.reshape(t, rot), sin.reshape(t, rot), *pools, write)
-    return [x.to(device) for x in tensors], hq
+    tensors = [x.to(device) for x in (qkv, cos.reshape(t, rot), sin.reshape(t, rot), *pools)]
+    inputs = torch.zeros(t, 4, dtype=torch.int64, device=device)  # like the graph's inputs
+    inputs[:, 3] = write.to(device)
+    return [*tensors, inputs[:, 3]], hq  # slots: a strided column, as the graph passes them
 
 
 @pytest.mark.parametrize("rot", [64, 32])

@@ -91,7 +91,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _swiglu_kernel(X, Bias, Rows, Out, stride_x, stride_b, stride_o, inter, limit, alpha,
+def _swiglu_kernel(X, Bias, Rows, Out, stride_x, stride_b, stride_rows, stride_o, inter, limit,
+                   alpha,
                    BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -100,7 +101,7 @@ def _swiglu_kernel(X, Bias, Rows, Out, stride_x, stride_b, stride_o, inter, limi
     g = tl.load(X + row * stride_x + 2 * cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(X + row * stride_x + 2 * cols + 1, mask=ok, other=0.0).to(tl.float32)
     if HAS_BIAS:  # h + bias[rows] of the reference, rounded like the bf16 add
-        b_row = tl.load(Rows + row).to(tl.int64)
+        b_row = tl.load(Rows + row * stride_rows).to(tl.int64)
         g = _round(g + tl.load(Bias + b_row * stride_b + 2 * cols, mask=ok).to(tl.float32), dtype)
         u = _round(u + tl.load(Bias + b_row * stride_b + 2 * cols + 1, mask=ok).to(tl.float32),
                    dtype)  # fmt: skip
@@ -124,7 +125,8 @@ def clamped_swiglu(h, limit: float, alpha: float, bias=None, bias_rows=None) -> 
     has_bias = bias is not None
     _swiglu_kernel[(t, triton.cdiv(inter, block))](
         h, bias if has_bias else h, bias_rows if has_bias else h, out, h.stride(0),
-        bias.stride(0) if has_bias else 0, out.stride(0), inter, float(limit), float(alpha),
+        bias.stride(0) if has_bias else 0, bias_rows.stride(0) if has_bias else 0,
+        out.stride(0), inter, float(limit), float(alpha),
         BLOCK=block, HAS_BIAS=has_bias, num_warps=4,
     )  # fmt: skip
     return out
@@ -132,8 +134,8 @@ def clamped_swiglu(h, limit: float, alpha: float, bias=None, bias_rows=None) -> 
 
 @triton.jit
 def _rope_kv_kernel(QKV, Cos, Sin, Slots, Q, K, V,
-                    stride_t, stride_h, stride_ct, stride_st, stride_qt, stride_qh, stride_ks,
-                    stride_kh, stride_vs, stride_vh,
+                    stride_t, stride_h, stride_ct, stride_st, stride_slot, stride_qt, stride_qh,
+                    stride_ks, stride_kh, stride_vs, stride_vh,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                     ROT: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -143,7 +145,7 @@ def _rope_kv_kernel(QKV, Cos, Sin, Slots, Q, K, V,
     dtype = Q.dtype.element_ty
     base = QKV + t * stride_t + head * stride_h
     x = tl.load(base + d, mask=ok, other=0.0).to(tl.float32)
-    slot = tl.load(Slots + t).to(tl.int64)
+    slot = tl.load(Slots + t * stride_slot).to(tl.int64)  # a column of the graph's inputs
     if head < HQ + HKV:  # q or k: rotate the first ROT dims (HF rotate_half layout)
         rot = d < ROT
         half = ROT // 2
@@ -173,8 +175,8 @@ def rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, slots, num_q_heads: int)
     q = torch.empty((t, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
     _rope_kv_kernel[(t, heads)](
         qkv, cos, signed_sin, slots, q, k_pool, v_pool,
-        qkv.stride(0), qkv.stride(1), cos.stride(0), signed_sin.stride(0), q.stride(0),
-        q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        qkv.stride(0), qkv.stride(1), cos.stride(0), signed_sin.stride(0), slots.stride(0),
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         HQ=num_q_heads, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d), ROT=cos.shape[-1],
         num_warps=1, enable_fp_fusion=False,  # no FMA: torch rounds x*cos before the add
     )  # fmt: skip
