@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ops.attention import attention
+from torch_runner.kv.block_manager import NO_BLOCK
 from torch_runner.kv.caches import (
     PagedKVPool,
     PagedLayerView,
@@ -196,3 +197,32 @@ def test_single_row_fetch_is_the_history_whether_blocks_are_consecutive_or_not(t
         torch.testing.assert_close(keys[0], hist_k[:, :end], rtol=0, atol=0)
         torch.testing.assert_close(values[0], hist_v[:, :end], rtol=0, atol=0)
         assert int(layout.kv_lens[0]) == keys.shape[2] == end
+
+
+def test_blocks_given_back_behind_the_window_read_the_zero_pad_slot():
+    """A table [NO_BLOCK, 0, 1] (block 0 given back, then ids 0 and 1: "consecutive" from -1)
+    is gathered, not sliced; the hole's keys are the pad slot's zeros (NaN-free), and windowed
+    attention of queries that cannot see the hole equals the brute-force window over the true
+    history."""
+    torch.manual_seed(5)
+    bs, window = 4, 4
+    pool = PagedKVPool(1, 4, bs, H_KV, D, torch.float32, "cpu")
+    pool.k.fill_(float("nan"))  # every slot but the pad slot: garbage that must not be read
+    pool.v.fill_(float("nan"))
+    pool.k[:, pool.pad_slot].zero_()
+    pool.v[:, pool.pad_slot].zero_()
+    table = [NO_BLOCK, 0, 1]
+    hist_k, hist_v = torch.randn(H_KV, 11, D), torch.randn(H_KV, 11, D)
+    pool.k[0, :4], pool.v[0, :4] = hist_k[:, 4:8].transpose(0, 1), hist_v[:, 4:8].transpose(0, 1)
+    meta = PagedStepMeta([table], [8], [3], bs, "cpu", pool.pad_slot)  # positions 8..10
+    assert meta.first_slot is None
+    k, v = hist_k[None, :, 8:11], hist_v[None, :, 8:11]
+    keys, values, layout = PagedLayerView(pool, 0, meta).update_and_fetch(k, v)
+    assert torch.equal(keys[0, :, :4], torch.zeros(H_KV, 4, D))  # the hole
+    torch.testing.assert_close(keys[0, :, 4:11], hist_k[:, 4:11], rtol=0, atol=0)
+    q = torch.randn(1, H_Q, 3, D)
+    positions = torch.arange(8, 11)[None]
+    out = attention(q, keys, values, positions, layout, sm_scale=D**-0.5, window=window)
+    want = _brute_attention(q[0], hist_k, hist_v, positions[0], torch.arange(11), window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0].double(), want, rtol=1e-5, atol=1e-5)
