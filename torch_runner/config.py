@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALLOWED_WEIGHT_PACKING = ("auto", "off")
 ALLOWED_MOE_WEIGHTS = ("packed", "dequantized")  # models.loader.MOE_WEIGHTS
-ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4")  # models.quantize.QUANTIZATIONS
+ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4", "fp8")  # models.quantize.QUANTIZATIONS
 ALLOWED_SWA_KV = ("auto", "windowed", "paged")
 
 

@@ -129,8 +129,10 @@ class Engine:
         self.runner = ModelRunner(loaded, config, num_blocks, self.device, self.dtype, sorted(eos),
                                   tensor_parallel=tp and tp.plan)  # fmt: skip
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        layout = self.runner.layout  # windowed SWA (payloads) or paged with holes: matches
-        window = layout.window if layout.has_swa or layout.frees_behind_window else None  # need it
+        # a match must find the window before its end held: in payloads (windowed SWA caches)
+        # or in blocks (paged, with the blocks behind the window given back); kv/radix_cache.py
+        layout = self.runner.layout
+        window = layout.window if layout.has_swa or layout.frees_behind_window else None
         self.prefix_cache = (
             RadixCache(
                 self.block_manager,

@@ -122,15 +122,6 @@ class WindowedKVCache:
         )
         return self.keys[:, :, start:end], self.values[:, :, start:end], layout
 
-    def snapshot(self, end_position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Copies of the last `window` keys/values before `end_position`, or None if not held."""
-        want = min(self.window, end_position)
-        first_held = self.offset - self._local
-        if end_position > self.offset or end_position - want < first_held:
-            return None
-        hi = self._local - (self.offset - end_position)
-        return self.keys[:, :, hi - want : hi].clone(), self.values[:, :, hi - want : hi].clone()
-
     @classmethod
     def restore(
         cls, window: int, keys: torch.Tensor, values: torch.Tensor, offset: int

@@ -11,7 +11,8 @@ the cap (`max_cached_windows` windows' worth of tokens, `payload_cap`) keeps the
 
 Paged windows (`swa_kv="paged"`) hold every token's KV in pool blocks, so a block is only
 dead once no layer can read it. That is so when every layer is windowed: `free_behind_window`
-gives back the blocks behind the window (the table keeps a NO_BLOCK hole there). When full
+gives back the blocks behind the window that nobody else holds (the table keeps a NO_BLOCK
+hole there; blocks the prefix cache holds stay, as they were). When full
 layers share the block (gpt-oss, Gemma 3: one block table for all layers) nothing is freed;
 that would need a second pool and table for the SWA layers.
 """
@@ -81,15 +82,19 @@ def restore_windows(window: int, restore) -> list[WindowedKVCache]:
 
 
 def free_behind_window(block_manager, block_table: list[int], num_computed: int, window: int):
-    """Give back this table's blocks that no future query can read: the next query sits at
-    `num_computed` and sees keys from num_computed - window + 1 on, so a block ending at or
-    before num_computed - window is dead for every layer (layout.frees_behind_window). Its
-    entry becomes NO_BLOCK (the table keeps positions). Walks back from the newest dead block
-    to the first hole, so a step costs O(blocks freed). Returns how many entries it cleared."""
+    """Give back this table's blocks that no future query can read and nobody else holds.
+
+    The next query sits at `num_computed` and sees keys from num_computed - window + 1 on, so
+    a block ending at or before num_computed - window is dead for every layer
+    (layout.frees_behind_window); its entry becomes NO_BLOCK (the table keeps positions). A
+    block the prefix cache or another request also holds is kept: dropping only this
+    reference would free nothing and would let the cache evict a running request's prefix.
+    Walks back from the newest dead block to the first hole or shared block, so a step costs
+    O(blocks freed). Returns how many entries it cleared."""
     bs = block_manager.block_size
     j = min(max(num_computed - window, 0) // bs, len(block_table)) - 1
     cleared = 0
-    while j >= 0 and block_table[j] != NO_BLOCK:
+    while j >= 0 and block_table[j] != NO_BLOCK and block_manager.refcount(block_table[j]) == 1:
         block_manager.decref(block_table[j])
         block_table[j] = NO_BLOCK
         cleared += 1
