@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ops.activation import clamped_swiglu, silu_mul
+from ops.linear import linear
 from ops.quant.mxfp4 import Mxfp4Experts, moe_gpt_oss_mxfp4
 from ops.routing import route_groups
 
@@ -58,9 +60,8 @@ def _grouped_experts(x, top_idx, scores, w_in, b_in, w_out, b_out, act, *, trans
     if transposed:  # HF F.linear layout [E, out, in] -> [E, in, out] views (column-major)
         w_in, w_out = w_in.transpose(1, 2), w_out.transpose(1, 2)
     h = torch._grouped_mm(x[order // k], w_in, offs=offsets)  # [T * k, 2I]
-    if b_in is not None:
-        h = h + b_in[experts]
-    y = torch._grouped_mm(act(h).to(x.dtype), w_out, offs=offsets)  # [T * k, H]
+    h = act(h) if b_in is None else act(h, b_in, experts)  # the bias add fused in the act
+    y = torch._grouped_mm(h.to(x.dtype), w_out, offs=offsets)  # [T * k, H]
     if b_out is not None:
         y = y + b_out[experts]
     y = y * scores.reshape(-1)[order, None]
@@ -132,14 +133,12 @@ def moe_gpt_oss(
             x, router_weight, router_bias, gate_up_proj, gate_up_proj_bias, down_proj,
             down_proj_bias, top_k=top_k, limit=limit, alpha=alpha,
         )  # fmt: skip
-    logits = F.linear(x, router_weight, router_bias)  # [T, E]
+    logits = linear(x, router_weight, router_bias)  # [T, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
     scores = torch.softmax(top_val, dim=-1)
 
-    def act(h: torch.Tensor) -> torch.Tensor:  # [t, 2I] -> [t, I]
-        gate = h[:, ::2].clamp(max=limit)
-        up = h[:, 1::2].clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    def act(h: torch.Tensor, bias=None, rows=None) -> torch.Tensor:  # [t, 2I] -> [t, I]
+        return clamped_swiglu(h, limit, alpha, bias, rows)  # + bias[rows] first, if given
 
     run = _experts_for(x)
     return run(x, top_idx, scores, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
@@ -164,10 +163,5 @@ def moe_qwen3(
     if norm_topk_prob:
         top_val = top_val / top_val.sum(dim=-1, keepdim=True)
     scores = top_val.to(logits.dtype)
-    inter = down_proj.shape[2]
-
-    def act(h: torch.Tensor) -> torch.Tensor:  # [t, 2I] -> [t, I]
-        return F.silu(h[:, :inter]) * h[:, inter:]
-
-    run = _experts_for(x)
-    return run(x, top_idx, scores, gate_up_proj, None, down_proj, None, act, transposed=True)
+    run = _experts_for(x)  # act: silu(h[:, :I]) * h[:, I:]
+    return run(x, top_idx, scores, gate_up_proj, None, down_proj, None, silu_mul, transposed=True)

@@ -59,6 +59,9 @@ GEOMETRIES = {
                                           truncate=False),
                         attention_bias=True, swiglu_limit=7.0, max_position_embeddings=131072),
 }  # fmt: skip
+# the same geometry with its experts in MXFP4 as on disk (ops/quant: packed, Triton on CUDA)
+GEOMETRIES["gpt-oss-20b-mxfp4"] = dict(GEOMETRIES["gpt-oss-20b"],
+                                       quantization_config=dict(quant_method="mxfp4"))  # fmt: skip
 COMMON = dict(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
               dtype="bfloat16")  # fmt: skip
 
@@ -104,9 +107,11 @@ def roofline(engine: Engine, batch: int, context: float, bandwidth: float) -> fl
     model, args = engine.runner.model, engine.args
     dense, packed_head = quantized_bytes(model)
     expert = 0
-    for name, p in model.named_parameters():
-        if p.device.type == "meta":
-            continue
+    tensors = [*model.named_parameters(), *model.named_buffers()]  # packed experts are buffers
+    for name, p in tensors:
+        if p.device.type == "meta" or name.endswith(("qkv_weight", "qkv_bias", "gate_up_weight",
+                                                      "gate_up_bias", "inv_freq")):  # fmt: skip
+            continue  # the fused matrices share the q/k/v and gate/up parameters' storage
         size = p.numel() * p.element_size()
         if ".experts." in name:
             expert += size
@@ -194,8 +199,12 @@ def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps
         engine.step()
     events = prof.key_averages()
     gpu_us = _device_time_us(events) / steps
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = sum(e.count for e in events if e.device_type == cuda) / steps
+    layers = engine.args.num_hidden_layers
     print(
-        f"profile batch {batch}: {wall:.2f} ms/step wall (profiled), GPU busy {gpu_us / 1e3:.2f} ms/step"
+        f"profile batch {batch}: {wall:.2f} ms/step wall (profiled), GPU busy {gpu_us / 1e3:.2f} "
+        f"ms/step, {kernels:.0f} kernels/step ({kernels / layers:.1f} per layer of {layers})"
     )
     if table:
         print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ops.fused import kernels_for
+from ops.linear import linear
 from ops.routing import route_groups
 
 # FP4 E2M1 code -> value: bit 3 is the sign, bits 0-2 index (0, 0.5, 1, 1.5, 2, 3, 4, 6).
@@ -164,7 +166,7 @@ def moe_gpt_oss_mxfp4(
             f"moe_gpt_oss: packed experts are [{gate_up_proj.out_features}, {gate_up_proj.in_features}] "
             f"and [{down_proj.out_features}, {down_proj.in_features}]; x has hidden size {x.shape[-1]}"
         )
-    logits = F.linear(x, router_weight, router_bias)  # [T, E]
+    logits = linear(x, router_weight, router_bias)  # [T, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
     scores = torch.softmax(top_val, dim=-1)
     if x.device.type == "cuda":
@@ -185,6 +187,9 @@ def moe_gpt_oss_mxfp4(
 
 def swiglu(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """gpt-oss's clamped SwiGLU over interleaved gate/up columns: [t, 2I] -> [t, I]."""
+    kernels = kernels_for(h)  # one Triton kernel on CUDA (ops/fused), the same values
+    if kernels is not None:
+        return kernels.clamped_swiglu(h, limit, alpha)
     gate = h[:, ::2].clamp(max=limit)
     up = h[:, 1::2].clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))

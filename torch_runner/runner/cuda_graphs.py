@@ -31,6 +31,8 @@ import torch
 
 from models.layers import GatedMLP
 from ops.moe import is_capturable
+from ops.paged_attention import impl_for as paged_impl_for
+from ops.rope import rope_kv_write
 from torch_runner.kv.caches import PagedKVPool, decode_from_pool
 from torch_runner.runner.launched import resolve_placeholders
 
@@ -68,6 +70,16 @@ class StaticPagedView:
     def attend(self, q, k, v, positions, *, sm_scale: float, sinks=None, window=None):
         return decode_from_pool(self.pool, self.layer, self.write_slots, self.tables,
                                 self.kv_lens, q, k, v, sm_scale, sinks, window)  # fmt: skip
+
+    def attend_qkv(self, qkv, cos, signed_sin, num_q_heads: int, *, sm_scale: float,
+                   sinks=None, window=None):  # fmt: skip
+        """Unrotated qkv [B, Hq + 2 Hkv, D] and the rope rows [B, D_rot]: rotate q and k,
+        write k and v to the pool (one kernel on CUDA), attend -> [B, Hq, D]."""
+        k_pool, v_pool = self.pool.k_layers[self.layer], self.pool.v_layers[self.layer]
+        q = rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, self.write_slots, num_q_heads)
+        return paged_impl_for(q.device)(q, k_pool, v_pool, self.tables, self.kv_lens,
+                                        block_size=self.pool.block_size, sm_scale=sm_scale,
+                                        sinks=sinks, window=window)  # fmt: skip
 
 
 def static_decode(model, pool: PagedKVPool, full_layers, num_layers: int, inputs, num_keys: int):
