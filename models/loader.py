@@ -140,7 +140,7 @@ def load_model(
     model.eval().requires_grad_(False)
     fuse_projections(model)  # q/k/v and gate/up as one matmul each; the state dict is unchanged
     if quantization not in ("none", "auto"):  # auto: the checkpoint's own (GGUF); else none
-        _quantize(model, quantization, torch_device, target_dtype)
+        _quantize(model, quantization, torch_device, target_dtype, shard)
     generation_config = read_generation_config(path)
     logger.info(
         "loaded %s (%s) from %s on %s as %s",
@@ -184,9 +184,9 @@ def check_quantization_runs(mode: str, device: torch.device, dtype: torch.dtype)
         )
 
 
-def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype) -> None:
+def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype, shard=None) -> None:
     check_quantization_runs(mode, device, dtype)
-    quantize_linears(model, mode)
+    quantize_linears(model, mode, shard=shard)
 
 
 def read_config(path: Path) -> dict[str, Any]:

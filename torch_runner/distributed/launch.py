@@ -17,8 +17,9 @@ import torch
 
 from bridge import resolve_device
 from models.loader import read_config
+from torch_runner.distributed.checks import check_int4_shards, check_shardable
 from torch_runner.distributed.group import STOP, RankFailure, TPGroup, free_port, torchrun_env
-from torch_runner.distributed.shard import ShardPlan, check_shardable
+from torch_runner.distributed.shard import ShardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +45,6 @@ def check_launch(config, path: str) -> None:
             f"tensor_parallel_size={size} needs a safetensors model folder; {path!r} is not one "
             "(GGUF files do not shard yet)"
         )
-    if config.quantization not in ("auto", "none"):
-        raise ValueError(
-            f"quantization={config.quantization!r} is not supported with tensor_parallel_size="
-            f"{size} yet; allowed values: auto, none"
-        )
     raw = read_config(Path(path))
     method = (raw.get("quantization_config") or {}).get("quant_method")
     if method == "mxfp4" and config.moe_weights == "packed":
@@ -57,6 +53,8 @@ def check_launch(config, path: str) -> None:
             "experts shard once dequantized); allowed values: dequantized"
         )
     check_shardable(raw, size)
+    if config.quantization == "int4":
+        check_int4_shards(raw, size)
     if resolve_device(config.device).type == "cuda" and torchrun_env() is None:
         count = torch.cuda.device_count()
         if size > count:

@@ -22,32 +22,6 @@ from torch import nn
 from models import gpt_oss, qwen3_moe
 from models.layers import Attention, CausalLM, GatedMLP
 
-# Gemma's scaled embedding and GGUF/packed checkpoints: not yet
-SHARDABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
-
-
-def check_shardable(raw_config: dict, size: int) -> None:
-    """One clear error before loading for a family or a geometry that cannot split `size` ways."""
-    model_type = raw_config.get("model_type")
-    if model_type not in SHARDABLE_FAMILIES:
-        raise ValueError(
-            f"tensor_parallel_size={size} is not supported for model_type {model_type!r}; "
-            f"supported families: {', '.join(SHARDABLE_FAMILIES)}"
-        )
-    heads = raw_config.get("num_attention_heads")
-    kv_heads = raw_config.get("num_key_value_heads", heads)
-    if not heads or heads % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads ({heads})")
-    if kv_heads % size and size % kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size={size} must divide num_key_value_heads ({kv_heads}) "
-            "or be a multiple of it"
-        )
-    for name in ("intermediate_size", "moe_intermediate_size"):
-        value = raw_config.get(name)
-        if (name == "intermediate_size" or value is not None) and (not value or value % size):
-            raise ValueError(f"tensor_parallel_size={size} must divide {name} ({value})")
-
 
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows [start, start + num_local) of the embedding; the ranks' lookups summed."""
@@ -80,6 +54,13 @@ class ShardPlan:
         default_factory=dict
     )
     num_kv_heads: int = 0  # this rank's KV heads (the paged pool's geometry)
+    row_parallel: set[str] = field(default_factory=set)  # linears split along their input
+
+    def int8_amax(self, name: str):
+        """For int8 quantization (models/quantize.py): a row-parallel weight's per-row maxima
+        are the whole row's (max over the ranks), so every rank's scales are the one-rank
+        model's and its int8 codes are that model's codes, columns sliced."""
+        return self.group.all_reduce_max if name in self.row_parallel else None
 
     def prepare(self, model: CausalLM) -> None:
         """Rewrite the meta model to this rank's shapes and install the all-reduce hooks."""
@@ -102,6 +83,7 @@ class ShardPlan:
     def _row(self, prefix: str, linear: nn.Linear, start: int, size: int) -> nn.Linear:
         new = nn.Linear(size, linear.out_features, bias=linear.bias is not None, device="meta")
         self.slices[f"{prefix}.weight"] = narrow(1, start, size)
+        self.row_parallel.add(prefix)
         if linear.bias is not None:
             self.rank0_only.add(f"{prefix}.bias")  # added once, by rank 0, before the sum
         return new
