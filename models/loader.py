@@ -249,7 +249,7 @@ def _checkpoint_weights(
 ) -> dict[str, torch.Tensor]:
     weights = safetensors_io.read_tensors(files)
     if shard is not None:  # tensors sanitize would merge whole are cut to the rank's part first
-        weights = {name: shard.shard_raw(name, t) for name, t in weights.items()}
+        weights, args = shard.shard_raw_weights(weights, args)
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
     if args.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints still store the copy

@@ -117,18 +117,6 @@ def test_bad_combinations_fail_before_any_rank_starts(tmp_path, overrides, model
     assert not multiprocessing.active_children()
 
 
-def test_packed_mxfp4_experts_are_refused_before_any_rank_starts(tmp_path):
-    import json
-
-    path, _ = save_engine_checkpoint("gpt_oss", tmp_path)
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="moe_weights='packed' is not supported"):
-        Engine(str(path), tensor_parallel_size=2, **ENGINE_KWARGS)
-    assert not multiprocessing.active_children()
-
-
 def _one_step(engine):
     engine.add_request(None, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
     return engine.step()

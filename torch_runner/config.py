@@ -64,6 +64,8 @@ class EngineConfig:
     # a collective may wait for a rank before the step fails (a dead or hung rank)
     tensor_parallel_size: int = 1
     dist_timeout: int = 120
+    # MoE under tensor parallel: whole experts per rank (E/N each) instead of 1/N of every expert
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):  # pathlib.Path is as good as a string
@@ -94,6 +96,11 @@ class EngineConfig:
         _require_int("cuda_graph_max_bs", self.cuda_graph_max_bs, 1)
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _require_int("dist_timeout", self.dist_timeout, 1)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(
+                f"enable_expert_parallel={self.enable_expert_parallel!r} is invalid; "
+                "allowed values: True, False"
+            )
         if self.tensor_parallel_size > 1 and self.swa_kv == "windowed":
             raise ValueError(
                 f"swa_kv='windowed' is invalid with tensor_parallel_size="

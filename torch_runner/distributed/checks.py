@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from models.quantize import INT4_GROUP_SIZE
 from ops.quant.int_linear import check_int4_shape
+from ops.quant.mxfp4 import GROUP_SIZE as MXFP4_GROUP
 
 SHARDABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text")
 
@@ -73,3 +74,27 @@ def _int4_fits(n: int, k: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+def check_moe_shards(raw: dict, size: int, expert_parallel: bool, moe_weights: str) -> None:
+    """Expert parallel needs the experts to split evenly; packed MXFP4 experts split within
+    each expert only at 32-element block boundaries of the intermediate dimension."""
+    experts = raw.get("num_experts") or raw.get("num_local_experts")
+    if not experts:
+        return
+    if expert_parallel:
+        if experts % size:
+            raise ValueError(
+                f"enable_expert_parallel with tensor_parallel_size={size} must divide the "
+                f"number of experts ({experts})"
+            )
+        return
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    inter = raw.get("intermediate_size", 0)
+    if method == "mxfp4" and moe_weights == "packed" and (inter // size) % MXFP4_GROUP:
+        raise ValueError(
+            f"packed MXFP4 experts with tensor_parallel_size={size}: each rank's slice of "
+            f"intermediate_size ({inter} / {size}) must be a multiple of the {MXFP4_GROUP}-value "
+            "MXFP4 block; use enable_expert_parallel (whole experts per rank) or "
+            "moe_weights='dequantized'"
+        )

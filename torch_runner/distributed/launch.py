@@ -17,7 +17,7 @@ import torch
 
 from bridge import resolve_device
 from models.loader import read_config
-from torch_runner.distributed.checks import check_int4_shards, check_shardable
+from torch_runner.distributed.checks import check_int4_shards, check_moe_shards, check_shardable
 from torch_runner.distributed.group import STOP, RankFailure, TPGroup, free_port, torchrun_env
 from torch_runner.distributed.shard import ShardPlan
 
@@ -46,13 +46,8 @@ def check_launch(config, path: str) -> None:
             "(GGUF files do not shard yet)"
         )
     raw = read_config(Path(path))
-    method = (raw.get("quantization_config") or {}).get("quant_method")
-    if method == "mxfp4" and config.moe_weights == "packed":
-        raise ValueError(
-            f"moe_weights='packed' is not supported with tensor_parallel_size={size} yet (MXFP4 "
-            "experts shard once dequantized); allowed values: dequantized"
-        )
     check_shardable(raw, size)
+    check_moe_shards(raw, size, config.enable_expert_parallel, config.moe_weights)
     if config.quantization == "int4":
         check_int4_shards(raw, size)
     if resolve_device(config.device).type == "cuda" and torchrun_env() is None:
@@ -145,7 +140,9 @@ def start_tensor_parallel(config, path: str) -> TensorParallel | None:
         for proc in processes:
             proc.kill()
         raise
-    return TensorParallel(group, ShardPlan(0, size, group), processes)
+    return TensorParallel(
+        group, ShardPlan(0, size, group, expert_parallel=config.enable_expert_parallel), processes
+    )
 
 
 def _spawn_workers(config, path: str, size: int, init: str) -> list:

@@ -12,6 +12,7 @@ only its part of the memory-mapped checkpoint. Row-parallel biases live on rank 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import gpt_oss, qwen3_moe
 from models.layers import Attention, CausalLM, GatedMLP
+from torch_runner.distributed.experts import MOE_MODULES, narrow, rename_raw, shard_experts
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -55,6 +56,9 @@ class ShardPlan:
     )
     num_kv_heads: int = 0  # this rank's KV heads (the paged pool's geometry)
     row_parallel: set[str] = field(default_factory=set)  # linears split along their input
+    expert_parallel: bool = False  # MoE: whole experts per rank (experts.py)
+    num_local_experts: int = 0  # expert parallel: this rank's experts
+    raw_renames: dict[str, str | None] = field(default_factory=dict)  # per-expert names (EP)
 
     def int8_amax(self, name: str):
         """For int8 quantization (models/quantize.py): a row-parallel weight's per-row maxima
@@ -69,8 +73,9 @@ class ShardPlan:
                 self._shard_attention(name, module)
             elif isinstance(module, GatedMLP):
                 self._shard_mlp(name, module)
-            elif isinstance(module, qwen3_moe.SparseMoeBlock | gpt_oss.MoE):
-                self._shard_experts(name, module)
+            elif isinstance(module, MOE_MODULES):
+                shard_experts(self, name, module)
+                module.register_forward_hook(self._reduce_output)
         self._shard_vocab(model)
 
     def _column(self, prefix: str, linear: nn.Linear, start: int, size: int) -> nn.Linear:
@@ -114,44 +119,6 @@ class ShardPlan:
         mlp.down_proj = self._row(f"{name}.down_proj", mlp.down_proj, start, size)
         mlp.register_forward_hook(self._reduce_output)
 
-    def _shard_experts(self, name: str, moe: nn.Module) -> None:
-        """MoE split within every expert (each rank: all experts, 1/N of their intermediate);
-        the router is replicated, so every rank routes each token to the same experts."""
-        ex, prefix = moe.experts, f"{name}.experts"
-        if getattr(ex, "is_packed", False):  # launch.check_launch refuses these first
-            raise ValueError("packed MXFP4 experts do not shard yet; load them dequantized")
-
-        def resize(attr: str, dim: int, factor: float) -> None:
-            shape = list(getattr(ex, attr).shape)
-            shape[dim] = int(shape[dim] * factor)
-            setattr(ex, attr, nn.Parameter(torch.empty(shape, device="meta")))
-
-        if isinstance(moe, qwen3_moe.SparseMoeBlock):  # gate_up [E, 2I, H] (gate, then up)
-            inter = ex.down_proj.shape[2]
-            size = inter // self.size
-            start = self.rank * size
-            self.slices[f"{prefix}.gate_up_proj"] = lambda t: torch.cat(
-                [t.narrow(1, start, size), t.narrow(1, inter + start, size)], dim=1
-            )
-            self.slices[f"{prefix}.down_proj"] = narrow(2, start, size)  # [E, H, I]
-            stacked = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
-            for e in range(ex.down_proj.shape[0]):  # Hub checkpoints: one tensor per expert
-                for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
-                    cut = narrow(dim, start, size)
-                    self.raw_slices[f"{prefix}.{e}.{proj}.weight"] = (cut, stacked)
-            resize("gate_up_proj", 1, 1 / self.size)
-            resize("down_proj", 2, 1 / self.size)
-        else:  # gpt-oss: gate_up [E, H, 2I] interleaved (gate, up) pairs, down [E, I, H]
-            size = ex.down_proj.shape[1] // self.size
-            start = self.rank * size
-            self.slices[f"{prefix}.gate_up_proj"] = narrow(2, 2 * start, 2 * size)
-            self.slices[f"{prefix}.gate_up_proj_bias"] = narrow(1, 2 * start, 2 * size)
-            self.slices[f"{prefix}.down_proj"] = narrow(1, start, size)
-            self.rank0_only.add(f"{prefix}.down_proj_bias")
-            for attr, dim in (("gate_up_proj", 2), ("gate_up_proj_bias", 1), ("down_proj", 1)):
-                resize(attr, dim, 1 / self.size)
-        moe.register_forward_hook(self._reduce_output)
-
     def _shard_vocab(self, model: CausalLM) -> None:
         embed = model.model.embed_tokens
         vocab, hidden = embed.weight.shape
@@ -170,6 +137,15 @@ class ShardPlan:
     def _reduce_output(self, module, inputs, output: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(output)  # row-parallel partial sums -> the full output
 
+    def shard_raw_weights(self, weights: dict[str, torch.Tensor], args):
+        """The checkpoint's tensors before the family's sanitize, cut to this rank's part, and
+        the args sanitize checks them against (expert parallel: this rank's expert count)."""
+        weights = rename_raw(self, {name: self.shard_raw(name, t) for name, t in weights.items()})
+        if self.num_local_experts and hasattr(args, "num_experts"):
+            args = copy.copy(args)
+            args.num_experts = self.num_local_experts
+        return weights, args
+
     def shard_raw(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Checkpoint tensor `name` before sanitize: a per-expert tensor is cut to this rank's
         part here, so the stacked experts are never built whole."""
@@ -187,17 +163,3 @@ class ShardPlan:
             return torch.zeros_like(tensor)
         cut = self.slices.get(name)
         return tensor if cut is None else cut(tensor).contiguous()
-
-
-def narrow(dim: int, start: int, length: int, pad: int = 0):
-    """tensor -> tensor.narrow(dim, start, length), then `pad` zero rows along `dim`."""
-
-    def cut(tensor: torch.Tensor) -> torch.Tensor:
-        part = tensor.narrow(dim, start, length)
-        if not pad:
-            return part
-        shape = list(part.shape)
-        shape[dim] = pad
-        return torch.cat([part, part.new_zeros(shape)], dim=dim)
-
-    return cut
