@@ -247,9 +247,13 @@ def resolve_dtype(dtype: str, raw: dict[str, Any], files: list[Path]) -> torch.d
 def _checkpoint_weights(
     family, args, files: list[Path], path: Path, shard=None
 ) -> dict[str, torch.Tensor]:
-    weights = safetensors_io.read_tensors(files)
-    if shard is not None:  # tensors sanitize would merge whole are cut to the rank's part first
-        weights, args = shard.shard_raw_weights(weights, args)
+    if shard is None:
+        weights = safetensors_io.read_tensors(files)
+    else:  # each rank reads its slices only (torch_runner/distributed/slice_read.py)
+        weights = shard.read_checkpoint(files)
+        weights, args = shard.shard_raw_weights(
+            weights, args
+        )  # per-expert tensors, before stacking
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
     if args.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints still store the copy

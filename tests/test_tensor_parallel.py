@@ -72,6 +72,8 @@ def test_two_ranks_match_one_rank(checkpoint, monkeypatch):
     try:
         tokens, logprobs, cached = summary(workload(engine))
         assert engine.stats()["num_preemptions"] == single.stats()["num_preemptions"]
+        # the CPU flat decode loop runs under tp wherever it runs at one rank (llama here)
+        assert (engine.runner.fast_decode is None) == (single.runner.fast_decode is None)
         # rank 0 holds half the weights (norms and the router are replicated: a few percent)
         share = num_weights(engine) / num_weights(single)
         assert 0.5 <= share < 0.56, share

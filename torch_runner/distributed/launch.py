@@ -105,6 +105,7 @@ class TensorParallel:
             proc.join(timeout=wait)
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=5)  # reaped: is_alive() is False once close() returns
         self.group.close()
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from models.layers import Attention, CausalLM, GatedMLP
 from torch_runner.distributed.experts import MOE_MODULES, narrow, rename_raw, shard_experts
+from torch_runner.distributed.slice_read import read_shard
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -59,6 +60,7 @@ class ShardPlan:
     expert_parallel: bool = False  # MoE: whole experts per rank (experts.py)
     num_local_experts: int = 0  # expert parallel: this rank's experts
     raw_renames: dict[str, str | None] = field(default_factory=dict)  # per-expert names (EP)
+    presliced: set[str] = field(default_factory=set)  # read as this rank's part (slice_read)
 
     def int8_amax(self, name: str):
         """For int8 quantization (models/quantize.py): a row-parallel weight's per-row maxima
@@ -161,5 +163,9 @@ class ShardPlan:
         """This rank's part of checkpoint tensor `name` (a copy of the slice only)."""
         if name in self.rank0_only and self.rank != 0:
             return torch.zeros_like(tensor)
-        cut = self.slices.get(name)
+        cut = None if name in self.presliced else self.slices.get(name)
         return tensor if cut is None else cut(tensor).contiguous()
+
+    def read_checkpoint(self, files) -> dict[str, torch.Tensor]:
+        """The checkpoint with each one-dimension slice read as this rank's part only."""
+        return read_shard(self, files)
