@@ -94,7 +94,9 @@ def load_model(
         )
     path = Path(path).expanduser()
     if (gguf_file := _gguf_file(path)) is not None:  # GGUF checkpoints: models/gguf_loader.py
-        return _load_gguf(gguf_file, device=device, dtype=dtype, quantization=quantization)
+        return _load_gguf(
+            gguf_file, device=device, dtype=dtype, quantization=quantization, shard=shard
+        )
     if not path.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} does not exist or is not a directory")
     raw = read_config(path)

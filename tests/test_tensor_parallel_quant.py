@@ -59,3 +59,18 @@ def test_int4_shard_that_splits_a_group_is_refused_before_any_rank_starts(tmp_pa
     with pytest.raises(ValueError, match=r"down_proj shard \[64, 48\] would split an int4 group"):
         Engine(str(path), tensor_parallel_size=2, quantization="int4", **ENGINE_KWARGS)
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q8_0"])
+def test_gguf_two_ranks_match_one_rank(tmp_path, monkeypatch, linear_type):
+    """A GGUF's Q4 codes/scales/zeros are cut like their weights (Q8_0: re-quantized per rank
+    with the whole row's scales), against the same file at one rank."""
+    pytest.importorskip("gguf")
+    from test_models_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("TORCH_RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / f"tiny-{linear_type}.gguf", linear_type)
+    want = run(path, monkeypatch)
+    got = run(path, monkeypatch, tensor_parallel_size=2)
+    assert_same(got, want)
+    assert not multiprocessing.active_children()

@@ -39,13 +39,17 @@ def check_launch(config, path: str) -> None:
     """Every bad combination, in one line, before a process starts or a weight is read."""
     from pathlib import Path
 
+    from models.gguf_loader import find_gguf, sidecar_folder
+
     size = config.tensor_parallel_size
-    if not (Path(path) / "config.json").is_file():
+    gguf = find_gguf(Path(path).expanduser())
+    folder = sidecar_folder(gguf) if gguf is not None else Path(path)
+    if not (folder / "config.json").is_file():
         raise ValueError(
-            f"tensor_parallel_size={size} needs a safetensors model folder; {path!r} is not one "
-            "(GGUF files do not shard yet)"
+            f"tensor_parallel_size={size} needs a safetensors model folder or a GGUF file; "
+            f"{path!r} is neither"
         )
-    raw = read_config(Path(path))
+    raw = read_config(folder)
     check_shardable(raw, size)
     check_moe_shards(raw, size, config.enable_expert_parallel, config.moe_weights)
     if config.quantization == "int4":

@@ -166,6 +166,29 @@ class ShardPlan:
         cut = None if name in self.presliced else self.slices.get(name)
         return tensor if cut is None else cut(tensor).contiguous()
 
+    def shard_int4_sources(self, sources: dict) -> dict:
+        """A GGUF's Q4 (codes [N, K], scales, zeros [N, K/32]) cut like their weight: rows
+        alike; columns at group boundaries (checks.check_int4_shards), scales per group."""
+        out = {}
+        for name, (codes, scales, zeros) in sources.items():
+            spec = getattr(self.slices.get(name), "spec", None)
+            if spec is None:
+                out[name] = (codes, scales, zeros)
+            elif spec[0] == 0:
+                out[name] = tuple(narrow(*spec)(a).contiguous() for a in (codes, scales, zeros))
+            else:
+                _, start, length, _ = spec
+                group = codes.shape[1] // scales.shape[1]
+                if start % group or length % group:
+                    raise ValueError(
+                        f"tensor_parallel_size={self.size}: the {name} shard (columns {start}.."
+                        f"{start + length}) would split the GGUF's {group}-value Q4 blocks"
+                    )
+                per_group = narrow(1, start // group, length // group)
+                out[name] = (narrow(*spec)(codes).contiguous(),
+                             per_group(scales).contiguous(), per_group(zeros).contiguous())  # fmt: skip
+        return out
+
     def read_checkpoint(self, files) -> dict[str, torch.Tensor]:
         """The checkpoint with each one-dimension slice read as this rank's part only."""
         return read_shard(self, files)
