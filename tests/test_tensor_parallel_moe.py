@@ -86,3 +86,12 @@ def test_moe_shards_that_do_not_split_are_refused(tmp_path, model_type, override
     with pytest.raises(ValueError, match=message):
         Engine(str(path), tensor_parallel_size=2, **ENGINE_KWARGS, **kwargs)
     assert not multiprocessing.active_children()
+
+
+def test_enable_expert_parallel_flag_reaches_the_engine_config():
+    from torch_runner.serve.cli import build_parser, engine_config
+
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["-tp", "2"])).enable_expert_parallel is False
+    args = parser.parse_args(["-tp", "2", "--enable-expert-parallel"])
+    assert engine_config(args).enable_expert_parallel is True
