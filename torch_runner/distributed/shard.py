@@ -5,9 +5,11 @@ column-parallel (each rank its heads / its slice of the intermediate), o_proj an
 row-parallel with one all-reduce on the attention block's and the MLP's output (forward hooks,
 so the family files stay unchanged), the embedding and lm_head are vocab-parallel (the
 embedding sums the ranks' rows; logits are gathered by the runner). When there are fewer KV
-heads than ranks each rank keeps the one KV head its query heads read (replicated). The plan
-then maps every checkpoint tensor name to this rank's slice (`shard_tensor`), so a rank copies
-only its part of the memory-mapped checkpoint. Row-parallel biases live on rank 0 only.
+heads than ranks each rank keeps the one KV head its query heads read (replicated). MoE
+experts: experts.py. The plan then maps every checkpoint tensor name to this rank's slice
+(`shard_tensor`); slice_read.py reads a one-dimension slice alone from the file. Row-parallel
+biases live on rank 0 only. Packed weights stay packed per rank: int8 row-parallel scales are the
+whole row's (`int8_amax`), a GGUF's Q4 blocks are cut like their weight (`shard_int4_sources`).
 """
 
 from __future__ import annotations
