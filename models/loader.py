@@ -96,7 +96,9 @@ def load_model(
         )
     path = Path(path).expanduser()
     if (gguf_file := _gguf_file(path)) is not None:  # GGUF checkpoints: models/gguf_loader.py
-        return _load_gguf(gguf_file, device=device, dtype=dtype, quantization=quantization)
+        return _load_gguf(
+            gguf_file, device=device, dtype=dtype, quantization=quantization, shard=shard
+        )
     if not path.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} does not exist or is not a directory")
     raw = read_config(path)
@@ -150,7 +152,7 @@ def load_model(
     if fp8_scales:
         _apply_fp8(model, fp8_scales, fp8_format, torch_device, target_dtype, path)
     elif quantization not in ("none", "auto"):  # auto: the checkpoint's own (GGUF); else none
-        _quantize(model, quantization, torch_device, target_dtype)
+        _quantize(model, quantization, torch_device, target_dtype, shard)
     generation_config = read_generation_config(path)
     logger.info(
         "loaded %s (%s) from %s on %s as %s",
@@ -194,7 +196,7 @@ def check_quantization_runs(mode: str, device: torch.device, dtype: torch.dtype)
         )
 
 
-def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype) -> None:
+def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype, shard=None) -> None:
     if mode == "fp8":  # vLLM's rule: fp8 needs a GPU with fp8 matmuls; no silent CPU emulation
         from models.quantize import quantize_linears_fp8
         from ops.quant.fp8 import device_fp8_support
@@ -207,7 +209,7 @@ def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype) -> Non
         quantize_linears_fp8(model)
         return
     check_quantization_runs(mode, device, dtype)
-    quantize_linears(model, mode)
+    quantize_linears(model, mode, shard=shard)
 
 
 def _fp8_format(raw: dict, path: Path, load_format: str, shard):
@@ -317,9 +319,13 @@ def resolve_dtype(dtype: str, raw: dict[str, Any], files: list[Path]) -> torch.d
 def _checkpoint_weights(
     family, args, files: list[Path], path: Path, shard=None
 ) -> dict[str, torch.Tensor]:
-    weights = safetensors_io.read_tensors(files)
-    if shard is not None:  # tensors sanitize would merge whole are cut to the rank's part first
-        weights = {name: shard.shard_raw(name, t) for name, t in weights.items()}
+    if shard is None:
+        weights = safetensors_io.read_tensors(files)
+    else:  # each rank reads its slices only (torch_runner/distributed/slice_read.py)
+        weights = shard.read_checkpoint(files)
+        weights, args = shard.shard_raw_weights(
+            weights, args
+        )  # per-expert tensors, before stacking
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
     if args.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints still store the copy

@@ -20,6 +20,7 @@ from ops.quant.int_linear import (
     QuantizedLinearWeight,
     check_int4_shape,
     pack_int4,
+    quantize_int8,
     quantize_weight,
 )
 
@@ -30,13 +31,19 @@ INT4_GROUP_SIZE = 32  # llama.cpp's Q4_0 / Q4_1 block size
 
 
 def quantize_linears(
-    model: nn.Module, mode: str, int4_sources: dict | None = None, head_mode: str | None = None
+    model: nn.Module,
+    mode: str,
+    int4_sources: dict | None = None,
+    head_mode: str | None = None,
+    shard=None,
 ) -> int:
     """Quantize the model's linears in place; returns how many weights were replaced.
 
     int4_sources: HF weight name -> (codes [N, K], scales, zeros [N, K/32]) already in int4 form
     (a GGUF's Q4 blocks); those are packed as they are, fused rows concatenated, not re-derived.
     head_mode: the lm_head's own mode when it differs (a GGUF with a Q8_0 embedding); default `mode`.
+    shard: a tensor-parallel plan (torch_runner/distributed/shard.py) whose `int8_amax(name)`
+    gives a row-parallel weight's full-row maxima across the ranks (None for other weights).
     """
     if mode not in ("none", "int8", "int4"):  # fp8: quantize_linears_fp8; auto: the loader's
         raise ValueError(
@@ -61,6 +68,8 @@ def quantize_linears(
                 logger.warning("%s stays unquantized: %s", name, exc)
                 return weight
         count += 1
+        if mode == "int8" and shard is not None:
+            return quantize_int8(weight, shard.int8_amax(name))
         return quantize_weight(weight, mode, INT4_GROUP_SIZE)
 
     for name, module in list(model.named_modules()):

@@ -67,6 +67,8 @@ class EngineConfig:
     # overlapped scheduling (engine_step.py): step N+1 is launched while step N runs and the host
     # reads step N back meanwhile. None = auto: on for CUDA, off on CPU / MPS and tensor parallel
     async_scheduling: bool | None = None
+    # MoE under tensor parallel: whole experts per rank (E/N each) instead of 1/N of every expert
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):  # pathlib.Path is as good as a string
@@ -97,6 +99,11 @@ class EngineConfig:
         _require_int("cuda_graph_max_bs", self.cuda_graph_max_bs, 1)
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _require_int("dist_timeout", self.dist_timeout, 1)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(
+                f"enable_expert_parallel={self.enable_expert_parallel!r} is invalid; "
+                "allowed values: True, False"
+            )
         if self.tensor_parallel_size > 1 and self.swa_kv == "windowed":
             raise ValueError(
                 f"swa_kv='windowed' is invalid with tensor_parallel_size="

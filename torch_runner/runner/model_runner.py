@@ -148,8 +148,9 @@ class ModelRunner:
         # CPU decode steps skip module dispatch (cpu_decode.py); the same ops and values
         self.fast_decode = None
         is_cpu = device.type == "cpu"
-        if is_cpu and tensor_parallel is None and supports_fast_decode(self.model, self.args):
-            self.fast_decode = FlatDecoder(self.model)
+        if is_cpu and supports_fast_decode(self.model, self.args):
+            reduce = None if tensor_parallel is None else tensor_parallel.group.all_reduce
+            self.fast_decode = FlatDecoder(self.model, reduce)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.random_seed)
         # the last launched step's sampled tokens [M] (on the device) and each request's row:

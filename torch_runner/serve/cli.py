@@ -53,6 +53,7 @@ def engine_config(args: argparse.Namespace):
         swa_kv=args.swa_kv,
         tensor_parallel_size=args.tensor_parallel_size,
         dist_timeout=args.dist_timeout,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 

@@ -347,6 +347,13 @@ def parallel_flags(add: Adder, d: dict[str, Any]) -> None:
         help="Seconds a collective waits for a rank before the server fails health and exits "
         "(a dead or hung rank). Default: %(default)s.",
     )
+    add(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=d["enable_expert_parallel"],
+        help="With --tensor-parallel-size N: place whole MoE experts on the ranks (E/N each; "
+        "qwen3_moe, gpt-oss) instead of splitting every expert's intermediate dimension.",
+    )
 
 
 def mlx_flags(add: Adder, d: dict[str, Any]) -> None:
