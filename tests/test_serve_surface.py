@@ -207,7 +207,11 @@ def test_legacy_functions_are_taken_as_tools(client):
     assert call.function.name == "pick"
     jsonschema.validate(json.loads(call.function.arguments), LEGACY_FUNCTION["parameters"])
     with pytest.raises(openai.BadRequestError) as info:
-        _chat(client, functions=[LEGACY_FUNCTION], tools=[{"type": "function", "function": LEGACY_FUNCTION}])
+        _chat(
+            client,
+            functions=[LEGACY_FUNCTION],
+            tools=[{"type": "function", "function": LEGACY_FUNCTION}],
+        )
     assert info.value.body["param"] == "functions"
 
 

@@ -91,7 +91,9 @@ def _take_legacy_functions(body: ChatCompletionRequest) -> None:
             ToolDefinition(type="function", function=function) for function in body.functions or []
         ]
     except ValidationError as exc:
-        raise InvalidRequestError(f"functions: {exc.errors()[0]['msg']}", param="functions") from None
+        raise InvalidRequestError(
+            f"functions: {exc.errors()[0]['msg']}", param="functions"
+        ) from None
     call = body.function_call
     if isinstance(call, dict):
         if set(call) != {"name"} or not isinstance(call["name"], str):
