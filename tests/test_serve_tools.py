@@ -349,3 +349,35 @@ def test_strict_pydantic_tools_parse_through_the_client_helpers(client):
     with client.chat.completions.stream(**args) as stream:
         [streamed] = stream.get_final_completion().choices[0].message.tool_calls
     assert streamed.function.parsed_arguments == call.function.parsed_arguments
+
+
+def test_auto_constrains_calls_with_the_servers_grammar(server, client):
+    """The engine gets the structural tag of serve/auto_tools.py for `auto` (what it enforces is
+    tested with xgrammar's matcher in test_serve_auto_tools.py); xgrammar's matcher on the
+    server's own grammar must accept the answer and a hermes call, and reject a call to an
+    unknown function."""
+    import xgrammar as xgr
+    from engine_helpers import byte_tokenizer
+
+    seen = []
+    original = server.async_engine.submit
+
+    def submit(requests):
+        seen.extend(params.structured for _, _, params in requests)
+        return original(requests)
+
+    server.async_engine.submit = submit
+    try:
+        reply = _create(client, max_tokens=20, temperature=0)
+    finally:
+        server.async_engine.submit = original
+    [spec] = seen
+    assert spec is not None and spec.kind == "ebnf"
+    info = xgr.TokenizerInfo.from_huggingface(byte_tokenizer(), vocab_size=256)
+    grammar = xgr.GrammarCompiler(info).compile_grammar(spec.spec)
+    matcher = xgr.GrammarMatcher(grammar)
+    assert matcher.accept_string(reply.choices[0].message.content)
+    good = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    assert xgr.GrammarMatcher(grammar).accept_string("Hi " + good)
+    assert not xgr.GrammarMatcher(grammar).accept_string('<tool_call>\n{"name": "rm_rf"')
+    assert not xgr.GrammarMatcher(grammar).accept_string(good.replace("CET", "cet"))

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from torch_runner.serve.auto_tools import auto_tool_grammar
 from torch_runner.serve.chat_format import (
     check_template_kwargs,
     continuation_field,
@@ -59,7 +60,7 @@ from torch_runner.serve.reasoning.harmony_prompt import HarmonyPromptError, rend
 from torch_runner.serve.sse import stream_choices
 from torch_runner.serve.state import ServingState
 from torch_runner.serve.tool_prompt import message_dicts
-from torch_runner.serve.tools import ToolPlan, plan_tools
+from torch_runner.serve.tools import ToolPlan, check_schemas, plan_tools
 
 PROMPT_TAIL_TOKENS = 16  # enough to see the `<think>` a template opens at the very end
 
@@ -163,6 +164,11 @@ def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
         fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
     elif plan.is_forced:
         fields["structured"] = plan.structured_spec()
+    elif plan.choice == "auto" and fields.get("structured") is None and not chat_format.is_harmony:
+        grammar = auto_tool_grammar(state.tool_parser_name, plan.functions, plan.is_parallel)
+        if grammar is not None:  # a call the model starts is a valid call (serve/auto_tools.py)
+            check_schemas(plan)
+            fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
     elif chat_format.is_harmony and getattr(fields.get("structured"), "kind", "") in WRAPPED_KINDS:
         grammar = harmony_final_grammar(chat_format.harmony_encoding, fields["structured"])
         fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})

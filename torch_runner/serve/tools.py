@@ -63,7 +63,7 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
     choice, named = _tool_choice(body.tool_choice, functions)
     plan = ToolPlan(functions, choice, named, body.parallel_tool_calls is not False)
     if plan.is_forced:
-        _check_schemas(plan)
+        check_schemas(plan)
         if body.response_format and body.response_format.get("type") not in (None, "text"):
             raise InvalidRequestError(
                 "response_format cannot be combined with tool_choice 'required' or a named "
@@ -160,7 +160,7 @@ def _tool_choice(raw: Any, functions: list[dict[str, Any]]) -> tuple[str, str | 
     return "named", name
 
 
-def _check_schemas(plan: ToolPlan) -> None:
+def check_schemas(plan: ToolPlan) -> None:
     """Each function the grammar may force must compile, or the 400 names that tool."""
     from torch_runner.grammar.compiler import GrammarError, validate_grammar
 
