@@ -68,7 +68,11 @@ def checkpoint(request, tmp_path_factory):
 def test_two_ranks_match_one_rank(checkpoint, monkeypatch):
     single = Engine(str(checkpoint), **ENGINE_KWARGS)
     want_tokens, want_logprobs, want_cached = summary(workload(single))
-    assert single.stats()["num_preemptions"] > 0, "the pool must be small enough to preempt"
+    # (a model whose every layer is windowed gives back blocks behind the window: it fits, and
+    # runs the workers over block tables with holes instead; kv/windows.py)
+    assert single.stats()["num_preemptions"] > 0 or single.runner.layout.frees_behind_window, (
+        "the pool must be small enough to preempt"
+    )
     assert want_cached >= 32, "the last prompt must hit the prefix cache"
     engine = tp_engine(checkpoint, monkeypatch)
     try:

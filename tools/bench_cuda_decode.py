@@ -6,6 +6,10 @@ random tokens, --gen-len greedy tokens each, CUDA graphs on (the engine's defaul
 roofline: (weight bytes read per step + KV bytes read) / --bandwidth, where an MoE step reads
 the experts its B x top_k picks are expected to hit, E * (1 - (1 - k/E)^B) of E.
 
+`--quantization int8|int4|fp8` quantizes the random bf16 weights at load (models/quantize.py);
+the roofline then counts the packed bytes, and each row reports peak GPU memory (weights after
+load, and the peak of the whole run). Run one mode per process for per-mode peaks.
+
 `--new-lengths` also times eager prefill steps of prompt lengths the process has never seen
 (first occurrence) against the same lengths again: with no per-shape plan builds or compiles
 the ratio is ~1.
@@ -93,14 +97,15 @@ def decode_run(engine: Engine, prompts, gen_len: int) -> float:
 def roofline(engine: Engine, batch: int, context: float, bandwidth: float) -> float:
     """Decode tok/s if every step only streamed its bytes at `bandwidth` (bytes/s)."""
     model, args = engine.runner.model, engine.args
-    dense = expert = 0
+    dense, packed_head = quantized_bytes(model)
+    expert = 0
     for name, p in model.named_parameters():
         if p.device.type == "meta":
             continue
         size = p.numel() * p.element_size()
         if ".experts." in name:
             expert += size
-        elif "embed_tokens" not in name or args.tie_word_embeddings:
+        elif "embed_tokens" not in name or (args.tie_word_embeddings and not packed_head):
             dense += size  # the embedding is read only for B rows unless it is the lm_head
     e = getattr(args, "num_local_experts", 0) or getattr(args, "num_experts", 0)
     if e:
@@ -112,6 +117,25 @@ def roofline(engine: Engine, batch: int, context: float, bandwidth: float) -> fl
              for t in args.layer_types) * per_layer  # fmt: skip
     step = (dense + expert + batch * kv) / bandwidth
     return batch / step
+
+
+def dense_gib(model) -> float:
+    """Resident dense tensors (parameters and buffers, shared storages once), GiB."""
+    seen = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values()) / 2**30
+
+
+def quantized_bytes(model) -> tuple[int, bool]:
+    """Bytes of the quantized linear weights (not parameters), and whether the lm_head is one."""
+    from ops.quant.int_linear import QuantizedLinearWeight
+
+    found = {id(v): v for m in model.modules() for v in vars(m).values()
+             if isinstance(v, QuantizedLinearWeight)}  # fmt: skip
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    return sum(w.nbytes() for w in found.values()), isinstance(head, QuantizedLinearWeight)
 
 
 def new_length_prefills(engine: Engine, lengths, vocab: int) -> list[dict]:
@@ -203,6 +227,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-gen", type=int, default=16, help="tokens of the warm-up run")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "fp8"])
+    parser.add_argument("--fp8-weight-only-rows", type=int, default=None,
+                        help="fp8: batches up to this many rows use the Triton weight-only kernel "
+                        "(ops.quant.fp8.WEIGHT_ONLY_MAX_ROWS; 0: always _scaled_mm)")  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s (H200 copy)")
     parser.add_argument("--new-lengths", default="", help="e.g. 301,517,999 ('' skips)")
     parser.add_argument("--label", default="", help="tag printed in every JSON row")
@@ -211,14 +239,20 @@ def main() -> None:
                         help="profile a never-seen prefill length, then a repeat (0: off)")  # fmt: skip
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
+    if args.fp8_weight_only_rows is not None:
+        from ops.quant import fp8
+
+        fp8.WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_rows
     tmp = Path(tempfile.mkdtemp(prefix="bench_cuda_"))
     t0 = time.perf_counter()
     engine = Engine(write_checkpoint(args.geometry, tmp / args.geometry), device="cuda",
                     dtype="bfloat16", load_format="dummy",
                     max_total_tokens=max(batches) * (args.prompt_len + args.gen_len) + 4096,
                     max_num_seqs=max(batches), enable_prefix_caching=False,
-                    enforce_eager=args.enforce_eager, cuda_graph_max_bs=max(batches))  # fmt: skip
+                    enforce_eager=args.enforce_eager, cuda_graph_max_bs=max(batches),
+                    quantization=args.quantization)  # fmt: skip
     load_s = time.perf_counter() - t0
+    weights_gib = torch.cuda.memory_allocated() / 2**30  # weights (+ the KV pool)
     graphs = getattr(engine.runner, "decode_graphs", None) is not None
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
@@ -234,6 +268,12 @@ def main() -> None:
                               decode_tok_s=round(tok_s, 1), runs=[round(r, 1) for r in runs],
                               roofline_tok_s=round(top, 1), roofline_frac=round(tok_s / top, 3),
                               graphs=graphs, load_s=round(load_s, 1),
+                              quantization=args.quantization,
+                              fp8_weight_only_rows=args.fp8_weight_only_rows,
+                              weights_gib=round(quantized_bytes(engine.runner.model)[0] / 2**30
+                                                + dense_gib(engine.runner.model), 3),
+                              allocated_after_load_gib=round(weights_gib, 2),
+                              peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                               gpu=torch.cuda.get_device_name())), flush=True)  # fmt: skip
     lengths = [int(x) for x in args.new_lengths.split(",") if x]
     if lengths:  # warm the allocator past every length, so only shapes are new

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALLOWED_WEIGHT_PACKING = ("auto", "off")
 ALLOWED_MOE_WEIGHTS = ("packed", "dequantized")  # models.loader.MOE_WEIGHTS
-ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4")  # models.quantize.QUANTIZATIONS
+ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4", "fp8")  # models.quantize.QUANTIZATIONS
 ALLOWED_SWA_KV = ("auto", "windowed", "paged")
 
 
@@ -51,7 +51,7 @@ class EngineConfig:
     enable_deterministic_inference: bool = False
     load_format: str = "safetensors"
     max_waiting: int = 1024
-    max_cached_windows: int = 64  # SWA prefix-cache window snapshots kept (LRU)
+    max_cached_windows: int = 64  # SWA prefix payloads kept: this many windows of tokens (LRU)
     weight_packing: str = "auto"  # auto: oneDNN-packed matmul weights on CPU; off: dense
     moe_weights: str = "packed"  # MXFP4 experts as on disk; "dequantized": expanded at load
     quantization: str = "auto"  # auto: the checkpoint's (GGUF Q4 -> int4, Q8_0 -> int8), else none

@@ -20,6 +20,7 @@ from torch_runner.config import EngineConfig
 from torch_runner.distributed.launch import start_tensor_parallel
 from torch_runner.kv.block_manager import BlockManager
 from torch_runner.kv.radix_cache import RadixCache
+from torch_runner.kv.windows import free_behind_window, payload_cap
 from torch_runner.outputs import RequestOutput
 from torch_runner.request_state import RequestState
 from torch_runner.runner.model_runner import (
@@ -128,8 +129,16 @@ class Engine:
         self.runner = ModelRunner(loaded, config, num_blocks, self.device, self.dtype, sorted(eos),
                                   tensor_parallel=tp and tp.plan)  # fmt: skip
         self.block_manager = BlockManager(num_blocks, config.block_size)
+        # a match must find the window before its end held: in payloads (windowed SWA caches)
+        # or in blocks (paged, with the blocks behind the window given back); kv/radix_cache.py
+        layout = self.runner.layout
+        window = layout.window if layout.has_swa or layout.frees_behind_window else None
         self.prefix_cache = (
-            RadixCache(self.block_manager, config.max_cached_windows)
+            RadixCache(
+                self.block_manager,
+                payload_cap(config.max_cached_windows, window, config.block_size),
+                window,
+            )
             if config.enable_prefix_caching
             else None
         )
@@ -271,15 +280,8 @@ class Engine:
             self.tensor_parallel.send_step(out.chunks)
         result = self.runner.execute(out.chunks, self._grammar_rows)
         self.scheduler.advance(out)
-        if self.prefix_cache is not None:
-            # every prompt chunk publishes its blocks (SWA models: with a window snapshot), so
-            # concurrent and later requests can hit at chunk granularity
-            for chunk in out.chunks:
-                if (
-                    chunk.start < chunk.seq.num_prompt_tokens
-                    and chunk.end >= self.config.block_size
-                ):
-                    self.scheduler.cache_prefix(chunk.seq, self._payload(chunk.seq))
+        self._publish_prefixes(out.chunks)
+        self._free_behind_window(out.chunks)
         outputs = []
         for i, (rid, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             state = self.requests[rid]
@@ -298,11 +300,35 @@ class Engine:
             outputs.append(state.make_output())
         return outputs
 
+    def _publish_prefixes(self, chunks) -> None:
+        """Chunks that complete a block publish their blocks, so concurrent and later requests
+        hit at any block boundary. Windowed SWA models publish decode blocks too, with their
+        window payloads, while the ring still holds them (kv/windows.py); pool-only models
+        publish prompt chunks (the finish publishes the rest: the pool still holds it)."""
+        if self.prefix_cache is None:
+            return
+        bs, has_windows = self.config.block_size, self.runner.layout.has_swa
+        for chunk in chunks:
+            if chunk.end // bs > chunk.start // bs and (
+                has_windows or chunk.start < chunk.seq.num_prompt_tokens
+            ):
+                self.scheduler.cache_prefix(chunk.seq, self._payload(chunk.seq))
+
+    def _free_behind_window(self, chunks) -> None:
+        """Paged models whose every layer is windowed give back the blocks no query can read
+        again (after publishing them: the prefix cache keeps what it cached; kv/windows.py)."""
+        layout = self.runner.layout
+        if layout.frees_behind_window:
+            for chunk in chunks:
+                seq = chunk.seq
+                free_behind_window(self.block_manager, seq.block_table, seq.num_computed_tokens,
+                                   layout.window)  # fmt: skip
+
     def _payload(self, seq: Sequence):
+        """The prefix cache's per-block window payloads of `seq` (None: no windowed layers)."""
         if not self.runner.layout.has_swa or self.prefix_cache is None:
             return None
-        end = (seq.num_computed_tokens // self.config.block_size) * self.config.block_size
-        return self.runner.snapshot_windows(seq.request_id, end) if end else None
+        return self.runner.snapshot_windows(seq.request_id)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at size 1); idempotent."""

@@ -27,6 +27,7 @@ from torch_runner.kv.caches import (
     WindowedBatchView,
     WindowedKVCache,
 )
+from torch_runner.kv.windows import payload_source, restore_windows
 from torch_runner.runner.cpu_decode import FlatDecoder, supports_fast_decode
 from torch_runner.runner.cuda_graphs import DecodeGraphs
 from torch_runner.scheduler import ScheduledChunk
@@ -175,23 +176,17 @@ class ModelRunner:
     def free(self, request_id: str) -> None:
         self.swa_caches.pop(request_id, None)
 
-    def snapshot_windows(self, request_id: str, end_position: int):
-        """Prefix-cache payload: every SWA layer's window ending at `end_position`, or None."""
-        caches = self.swa_caches.get(request_id)
-        if not caches:
-            return None
-        snaps = [cache.snapshot(end_position) for cache in caches]
-        if any(s is None for s in snaps):
-            return None
-        return (end_position, snaps)
+    def snapshot_windows(self, request_id: str):
+        """Prefix-cache payloads of this request: block index -> every SWA layer's keys/values
+        of that block's tail (kv/windows.py), or None without SWA caches."""
+        return payload_source(self.swa_caches.get(request_id), self.block_size)
 
     def _swa_caches_for(self, chunk: ScheduledChunk) -> list[WindowedKVCache]:
         rid = chunk.seq.request_id
         caches = self.swa_caches.get(rid)
         if chunk.restore_from is not None:
-            end, snaps = chunk.restore_from
-            assert end == chunk.start, "prefix payload does not end where the chunk starts"
-            caches = [WindowedKVCache.restore(self.layout.window, k, v, end) for k, v in snaps]
+            assert chunk.restore_from[0] == chunk.start, "prefix payload does not end at the chunk"
+            caches = restore_windows(self.layout.window, chunk.restore_from)
         elif caches is None or chunk.start == 0:
             caches = [WindowedKVCache(self.layout.window) for _ in self.swa_layers]
         if caches and caches[0].offset != chunk.start:
