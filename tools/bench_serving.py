@@ -283,7 +283,7 @@ def plot(report: dict, path: str) -> None:
     for name, ax in (("ttft_ms", axes[1]), ("itl_ms", axes[2])):
         for q in ("p50", "p99"):
             ax.plot(xs, [run[name][q] for run in runs], "o-", label=q)
-        ax.set_title(name.replace("_ms", " (ms)").upper())
+        ax.set_title(name.removesuffix("_ms").upper() + " (ms)")
         ax.legend()
     for ax in axes:
         ax.set_xscale("log", base=2)
