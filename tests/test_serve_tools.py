@@ -381,3 +381,21 @@ def test_auto_constrains_calls_with_the_servers_grammar(server, client):
     assert xgr.GrammarMatcher(grammar).accept_string("Hi " + good)
     assert not xgr.GrammarMatcher(grammar).accept_string('<tool_call>\n{"name": "rm_rf"')
     assert not xgr.GrammarMatcher(grammar).accept_string(good.replace("CET", "cet"))
+
+
+def test_forced_calls_have_no_content_logprobs(client):
+    """A forced call's message has no content, so `logprobs.content` lists no token (stream too)."""
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    reply = _create(client, tool_choice=choice, logprobs=True, top_logprobs=1)
+    assert reply.choices[0].message.content is None and reply.choices[0].message.tool_calls
+    assert reply.choices[0].logprobs.content == [] and reply.usage.completion_tokens > 3
+    args = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0)
+    chunks = list(
+        client.chat.completions.create(**args, tool_choice=choice, logprobs=True, stream=True)
+    )
+    assert not [
+        item
+        for chunk in chunks
+        for c in chunk.choices
+        for item in ((c.logprobs.content or []) if c.logprobs else [])
+    ]

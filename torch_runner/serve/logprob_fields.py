@@ -3,7 +3,7 @@
 OpenAI's `logprobs.content` lists the tokens of the message's `content`: not harmony's header and
 channel tokens (`<|start|>assistant<|channel|>final<|message|>`), not reasoning (harmony's
 analysis channel, `<think>...</think>` and its tags), not tool-call text, never the end-of-turn
-token. Harmony parses by token, so its parser labels each token as it goes; `<think>` parsing is
+token. Forced calls (`required`, a named function) have no content tokens. Harmony parses by token, so its parser labels each token as it goes; `<think>` parsing is
 by text, so a token is content when its text ends past the offset where the parser's content
 began (each token's share of an increment's text comes from its own decoded length).
 """
@@ -15,6 +15,7 @@ from typing import Any
 from torch_runner.serve.parsing import ChainedParser, FirstCallOnly
 from torch_runner.serve.reasoning.harmony import HarmonyParser
 from torch_runner.serve.reasoning.think import ThinkParser
+from torch_runner.serve.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 
 CONTENT = "content"
 
@@ -42,6 +43,8 @@ class TokenLabeler:
         if isinstance(self.parser, HarmonyParser):
             return list(self.parser.token_fields[start : self.num_tokens])
         ends = self._char_ends(delta_text, delta_ids)
+        if isinstance(self.parser, NamedCallParser | RequiredCallsParser):
+            return ["tool"] * len(delta_ids)  # forced calls: the output is all call, no content
         if not isinstance(self.parser, ThinkParser):
             return [CONTENT] * len(delta_ids)
         content_from = self.parser.content_from
