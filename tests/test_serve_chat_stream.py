@@ -89,3 +89,54 @@ def test_the_hermes_parser_is_exact_at_every_pair_of_splits():
             pieces = [TEXT[:i], TEXT[i:j], TEXT[j:]]
             deltas: list[DeltaMessage] = [parser.feed(p, []) for p in pieces] + [parser.finish()]
             assert accumulate(deltas).content == whole.content, (i, j)
+
+
+class _CharTable:
+    """One character per token (id = code point), as the byte tokenizer of the HTTP tests."""
+
+    @staticmethod
+    def text(token_id: int) -> str:
+        return chr(token_id) if token_id else ""
+
+
+LABEL_TEXTS = [
+    TEXT,
+    "x < y <tool_ and more",
+    "<tool_call>hello</tool_call> tail",
+    'pre <tool_call>{"name": "f", "arguments": {}}</tool_call> post',
+    'a <tool_call>{"name": "f", "arguments": {"s": "</tool_call>"}}</tool_call>',
+    "only words, trailing blanks   ",
+]
+
+
+def test_content_logprobs_spell_the_content_at_any_chunking():
+    """Oracle: the parser's own `parse` of the whole text; the picked tokens' characters must
+    spell its content exactly (the end-of-turn token never picked), for seeded random chunkings."""
+    import random
+
+    from torch_runner.serve.logprob_fields import TokenLabeler
+
+    rng = random.Random(0)
+    for text in LABEL_TEXTS:
+        want = HermesToolParser().parse(text, []).content or ""
+        for _ in range(15):
+            sizes = []
+            while sum(sizes) < len(text):
+                sizes.append(rng.randint(1, 6))
+            choice = Choice(0, 0, "r", [], None, ChoiceTracker(0.0))
+            outputs = _outputs(text, sizes)
+            for output in outputs:
+                output.logprobs = [
+                    type("L", (), {"logprob": -1.0, "top_logprobs": []})() for _ in output.token_ids
+                ]
+            increments = [apply_output(choice, output, 0.0) for output in outputs]
+            parser = HermesToolParser()
+            labeler = TokenLabeler(parser, _CharTable(), frozenset({EOS}))
+            renderer = ChoiceRenderer(parser, labeler, lambda c: len(c.token_ids) - 1)
+            picked = "".join(
+                chr(token_id)
+                for rendered in map(renderer.render, increments)
+                if rendered is not None
+                for token_id, _ in rendered[1]
+            )
+            assert picked == want, (text, sizes)

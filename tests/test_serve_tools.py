@@ -399,3 +399,21 @@ def test_forced_calls_have_no_content_logprobs(client):
         for c in chunk.choices
         for item in ((c.logprobs.content or []) if c.logprobs else [])
     ]
+
+
+def test_auto_call_text_has_no_content_logprobs(client):
+    """Byte tokenizer: one token per character. The hermes block and the blank before it are not
+    content, so the content's logprob tokens spell exactly "Sure." (stream: chunk by chunk)."""
+    extra = {"response_format": {"type": "regex", "regex": HERMES_REGEX}, "logprobs": True}
+    reply = _create(client, tool_choice="auto", **extra)
+    assert reply.choices[0].message.tool_calls
+    assert "".join(t.token for t in reply.choices[0].logprobs.content) == "Sure."
+    args = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0)
+    pairs = []
+    for chunk in client.chat.completions.create(**args, tool_choice="auto", stream=True, **extra):
+        for c in chunk.choices:
+            tokens = "".join(t.token for t in (c.logprobs.content or [])) if c.logprobs else ""
+            if c.delta.content or tokens:
+                pairs.append((c.delta.content or "", tokens))
+    assert all(delta == tokens for delta, tokens in pairs), pairs
+    assert "".join(delta for delta, _ in pairs) == "Sure."

@@ -229,7 +229,10 @@ def _content_picks(
     if labeler is None:
         return []
     parser.feed(choice.text, choice.token_ids)
-    labels = labeler.labels(choice.text, choice.token_ids)
+    labeler.feed(choice.text, choice.token_ids)
+    parser.finish()
+    labeler.finish()
+    labels = labeler.labels
     return [
         (choice.token_ids[i], choice.logprobs[i])
         for i in range(min(num_tokens, len(choice.logprobs)))

@@ -40,17 +40,19 @@ class ChoiceRenderer:
         self.parser = parser
         self.labeler = labeler  # None: no logprobs asked for
         self.message_tokens = message_tokens
-        self.labels: list[str | None] = []  # per token position of the choice
+        self.num_sent = 0  # tokens whose logprobs went out (or were left out)
         self.has_calls = False
 
     def render(self, increment: Increment) -> tuple[DeltaMessage, list[tuple[int, Any]]] | None:
-        """The increment's message delta and its content tokens' (id, logprob entry); None when
-        there is nothing to send yet (a partial marker held back by the parser)."""
+        """The increment's message delta and the content tokens' (id, logprob entry) decided
+        with it; None when there is nothing to send yet (a partial marker held back)."""
         message = self.parser.feed(increment.delta_text, increment.delta_token_ids)
         if self.labeler is not None:
-            self.labels += self.labeler.labels(increment.delta_text, increment.delta_token_ids)
+            self.labeler.feed(increment.delta_text, increment.delta_token_ids)
         if increment.is_final:
             message = merged(message, self.parser.finish())
+            if self.labeler is not None:
+                self.labeler.finish()
         self.has_calls |= bool(message.tool_calls)
         picks = self._content_logprobs(increment)
         if message.is_empty and not picks and not increment.is_final:
@@ -60,13 +62,14 @@ class ChoiceRenderer:
     def _content_logprobs(self, increment: Increment) -> list[tuple[int, Any]]:
         if self.labeler is None:
             return []
-        choice, start = increment.choice, increment.logprob_start
-        # each entry pairs with its own token (entries can trail the ids by an output)
-        stop = start + len(increment.delta_logprobs)
+        choice, labels = increment.choice, self.labeler.labels
+        # entries can trail the ids by an output: only those this increment carries exist yet
+        stop = min(len(labels), increment.logprob_start + len(increment.delta_logprobs))
         if increment.is_final:
             stop = min(stop, self.message_tokens(choice))
+        start, self.num_sent = self.num_sent, max(self.num_sent, stop)
         return [
-            (choice.token_ids[position], increment.delta_logprobs[position - start])
+            (choice.token_ids[position], choice.logprobs[position])
             for position in range(start, stop)
-            if self.labels[position] == CONTENT
+            if labels[position] == CONTENT
         ]
