@@ -129,7 +129,9 @@ def model_flags(add: Adder, d: dict[str, Any]) -> None:
         default=d["quantization"],
         help="Weight-only quantization of every dense linear and the lm_head at load: int8 per "
         "output channel, int4 per 32 input columns (torch's int8/int4 pack kernels); auto: what "
-        "the checkpoint holds (a GGUF's Q4_0/Q4_1 -> int4, Q8_0 -> int8; else none). "
+        "the checkpoint holds (a GGUF's Q4_0/Q4_1 -> int4, Q8_0 -> int8; an fp8 checkpoint's "
+        "e4m3 weights; else none); fp8: e4m3 weights with per-channel scales and per-token "
+        "activation scales through torch._scaled_mm (CUDA GPUs with fp8 matmuls only). "
         "Default: %(default)s.",
     )
     add(
