@@ -210,8 +210,12 @@ def auto_dtype(file: Path) -> str:
     return "bfloat16"
 
 
-def load_gguf_model(file: Path, *, device, dtype: str, quantization: str):
-    """`models.load_model` for a GGUF file: same checks, same LoadedModel (path = the sidecar)."""
+def load_gguf_model(file: Path, *, device, dtype: str, quantization: str, shard=None):
+    """`models.load_model` for a GGUF file: same checks, same LoadedModel (path = the sidecar).
+
+    shard: a tensor-parallel plan (models.loader.load_model): the file's tensors are read whole
+    (GGUF blocks decode per tensor), then cut to the rank's part, Q4 codes/scales/zeros included
+    (`shard.shard_int4_sources`), before anything is packed."""
     from models import loader
     from models.layers import fuse_projections
     from models.quantize import quantize_linears, return_freed_memory
@@ -233,6 +237,11 @@ def load_gguf_model(file: Path, *, device, dtype: str, quantization: str):
     weights, sources, mode, head_mode = read_weights(
         file, expected, hf_config, target_dtype, quantization
     )
+    if shard is not None:
+        shard.prepare(model)
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        weights = {name: shard.shard_tensor(name, t) for name, t in weights.items()}
+        sources = shard.shard_int4_sources(sources)
     loader.check_weights(expected, weights)
     state = {k: v.to(torch_device) for k, v in weights.items()}
     model.load_state_dict(state, strict=True, assign=True)
@@ -244,7 +253,7 @@ def load_gguf_model(file: Path, *, device, dtype: str, quantization: str):
         sources = {k: tuple(a.to(torch_device) for a in v) for k, v in sources.items()}
         quantize_linears(
             model, mode, int4_sources=sources if mode == "int4" else None,
-            head_mode=head_mode if quantization == "auto" else None,
+            head_mode=head_mode if quantization == "auto" else None, shard=shard,
         )  # fmt: skip
     del weights, state, sources  # the dense / int32-code copies the packed weights replaced
     return_freed_memory()

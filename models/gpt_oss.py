@@ -89,6 +89,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    expert_parallel: dict = {}  # {"expert_start": s} on a rank > 0 holding experts s.. (tensor parallel)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.router = Router(args)
@@ -112,6 +114,7 @@ class MoE(nn.Module):
             top_k=self.top_k,
             limit=self.limit,
             alpha=self.alpha,
+            **self.expert_parallel,
         )
         return out.view(x.shape)
 

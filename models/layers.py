@@ -20,6 +20,7 @@ from torch import nn
 
 import ops
 from models.args import ModelArgs
+from ops.activation import silu_mul
 from ops.rope import rope_tables, rotate
 
 
@@ -140,6 +141,12 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(b, n, hkv, d)
         else:
             qkv = ops.linear(x, self.qkv_weight, self.qkv_bias).view(b, n, hq + 2 * hkv, d)
+            attend_qkv = getattr(cache, "attend_qkv", None)  # the static (graph) decode
+            if attend_qkv is not None and self.q_norm is None and rope.cos is not None:
+                # rope, the pool write and attention from the pool: [B, Hq, D]
+                out = attend_qkv(qkv[:, 0], rope.cos.reshape(b, -1), rope.sin.reshape(b, -1),
+                                 hq, sm_scale=self.scale, sinks=self.sinks, window=self.window)  # fmt: skip
+                return ops.linear(out.reshape(b, n, -1), self.o_proj.weight, self.o_proj.bias)
             if self.q_norm is None:  # q and k rotate together: one rope for both
                 qk = rope(qkv[:, :, : hq + hkv])  # [B, N, Hq + Hkv, D]
                 q, k = qk[:, :, :hq], qk[:, :, hq:]
@@ -193,9 +200,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = ops.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)  # [B, N, 2I]
         down = self.down_proj
-        return ops.linear(self.act(gate) * up, down.weight, down.bias)  # [B, N, H]
+        if self.act is F.silu:  # one kernel on CUDA, the same silu(gate) * up elsewhere
+            return ops.linear(silu_mul(gate_up), down.weight, down.bias)  # [B, N, H]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return ops.linear(self.act(gate) * up, down.weight, down.bias)
 
 
 def fuse_projections(model: nn.Module) -> None:
@@ -259,9 +269,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, positions, rope, cache):
-        h = x + self.self_attn(self.input_layernorm(x), positions, rope, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, positions, rope, cache, residual=None):
+        """Pre-norm block over the residual stream carried as (x, residual): the stream is
+        x + residual (x alone when residual is None, the first layer). Returns (mlp output,
+        stream before it); the next layer's norm adds them (`ops.add_rms_norm`: one kernel on
+        CUDA, and the same sums as `h = x + attn(norm(x)); h + mlp(norm(h))` elsewhere)."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        x, residual = ops.add_rms_norm(x, residual, ln1.weight, ln1.eps)
+        out = self.self_attn(x, positions, rope, cache)
+        x, residual = ops.add_rms_norm(out, residual, ln2.weight, ln2.eps)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -277,9 +294,11 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, caches):
         h = self.embed_tokens(input_ids)  # [B, N, H]
         rope = self.rotary.at(positions, h.dtype)  # cos/sin once, not once per layer
+        residual = None  # the residual stream is h + residual (see DecoderLayer.forward)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, rope, None if caches is None else caches[i])
-        return self.norm(h)
+            h, residual = layer(h, positions, rope, None if caches is None else caches[i],
+                                residual)  # fmt: skip
+        return ops.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
 
 def make_lm_head(args: ModelArgs) -> nn.Linear | None:

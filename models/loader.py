@@ -68,8 +68,10 @@ def load_model(
     "float16". load_format: "safetensors", or "dummy" for seeded random weights built from the
     config alone (benchmarking a geometry without its checkpoint). moe_weights: "packed" keeps
     MXFP4 experts as on disk (gpt-oss), "dequantized" expands them to `dtype` at load (the
-    reference). quantization: "auto" (what the checkpoint holds: a GGUF's Q4/Q8 types, else
-    none), "none", or "int8" / "int4" weight-only linears (models/quantize.py). `path` may also be
+    reference). quantization: "auto" (what the checkpoint holds: a GGUF's Q4/Q8 types, an fp8
+    checkpoint's e4m3 weights (models/fp8.py), else none), "none" (an fp8 checkpoint is
+    dequantised at load), "int8" / "int4" weight-only linears, or "fp8" (per-channel e4m3 at
+    load; needs a CUDA GPU with fp8 matmuls) (models/quantize.py). `path` may also be
     a GGUF file or a folder holding one (models/gguf_loader.py). shard: a tensor-parallel plan
     (torch_runner/distributed/shard.py) whose `prepare(model)` reshapes the meta model to one
     rank's part and whose `shard_tensor(name, tensor)` slices each checkpoint tensor to it, so
@@ -94,7 +96,9 @@ def load_model(
         )
     path = Path(path).expanduser()
     if (gguf_file := _gguf_file(path)) is not None:  # GGUF checkpoints: models/gguf_loader.py
-        return _load_gguf(gguf_file, device=device, dtype=dtype, quantization=quantization)
+        return _load_gguf(
+            gguf_file, device=device, dtype=dtype, quantization=quantization, shard=shard
+        )
     if not path.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} does not exist or is not a directory")
     raw = read_config(path)
@@ -109,6 +113,7 @@ def load_model(
     files = safetensors_io.checkpoint_files(path) if load_format == "safetensors" else []
     target_dtype = resolve_dtype(dtype, raw, files)
     torch_device = resolve_device(device)
+    fp8_format = _fp8_format(raw, path, load_format, shard)
 
     with torch.device("meta"):
         model = family.Model(args)
@@ -116,6 +121,7 @@ def load_model(
             shard.prepare(model)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected_dtypes = {name: t.dtype for name, t in model.state_dict().items()}
+    fp8_scales = {}  # fp8 weight name -> its scale tensor (models/fp8.py), when kept as fp8
     if load_format == "dummy":
         norm_value = getattr(family, "DUMMY_NORM_WEIGHT", 1.0)  # Gemma stores norms as 1 + w
         weights = dummy_weights(expected, target_dtype, torch_device, norm_value=norm_value)
@@ -123,12 +129,16 @@ def load_model(
         weights = _checkpoint_weights(family, args, files, path, shard)
         if shard is not None:
             weights = {name: shard.shard_tensor(name, t) for name, t in weights.items()}
+        fp8_scales = _fp8_scales(weights, fp8_format, quantization, path)
         check_weights(expected, weights)
         weight_checks.check_dtypes(expected_dtypes, weights)
     state = {}
     for name, tensor in tqdm(
         weights.items(), desc=f"Loading {path.name}", unit="tensor", disable=None
     ):
+        if name in fp8_scales:  # kept as e4m3 (checked in models/fp8.py), scaled after fusing
+            state[name] = tensor.to(torch_device)
+            continue
         is_float = tensor.is_floating_point()
         state[name] = tensor.to(
             device=torch_device, dtype=target_dtype if is_float else tensor.dtype
@@ -139,8 +149,10 @@ def load_model(
     model.to(torch_device)  # the non-persistent rope tables were built on CPU
     model.eval().requires_grad_(False)
     fuse_projections(model)  # q/k/v and gate/up as one matmul each; the state dict is unchanged
-    if quantization not in ("none", "auto"):  # auto: the checkpoint's own (GGUF); else none
-        _quantize(model, quantization, torch_device, target_dtype)
+    if fp8_scales:
+        _apply_fp8(model, fp8_scales, fp8_format, torch_device, target_dtype, path)
+    elif quantization not in ("none", "auto"):  # auto: the checkpoint's own (GGUF); else none
+        _quantize(model, quantization, torch_device, target_dtype, shard)
     generation_config = read_generation_config(path)
     logger.info(
         "loaded %s (%s) from %s on %s as %s",
@@ -184,9 +196,69 @@ def check_quantization_runs(mode: str, device: torch.device, dtype: torch.dtype)
         )
 
 
-def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype) -> None:
+def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype, shard=None) -> None:
+    if mode == "fp8":  # vLLM's rule: fp8 needs a GPU with fp8 matmuls; no silent CPU emulation
+        from models.quantize import quantize_linears_fp8
+        from ops.quant.fp8 import device_fp8_support
+
+        if (reason := device_fp8_support(device)) is not None:
+            raise ModelLoadError(
+                f"quantization='fp8' needs a CUDA GPU with fp8 matmuls: {reason}; on this device "
+                "use --quantization int8 or int4"
+            )
+        quantize_linears_fp8(model)
+        return
     check_quantization_runs(mode, device, dtype)
-    quantize_linears(model, mode)
+    quantize_linears(model, mode, shard=shard)
+
+
+def _fp8_format(raw: dict, path: Path, load_format: str, shard):
+    """The checkpoint's fp8 format (models/fp8.py), None for other checkpoints and dummy weights."""
+    from models import fp8
+
+    try:
+        fmt = fp8.checkpoint_format(raw)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
+    if fmt is not None and shard is not None and load_format != "dummy":
+        raise ModelLoadError(f"{path}: fp8 checkpoints do not support tensor parallelism yet")
+    return None if load_format == "dummy" else fmt
+
+
+def _fp8_scales(weights: dict, fmt, quantization: str, path: Path) -> dict:
+    """Pop an fp8 checkpoint's scales; kept for `auto` / `fp8`, else the weights are dequantised
+    in place (`none`: the dense reference; `int8` / `int4`: re-quantized from it)."""
+    if fmt is None:
+        return {}
+    from models import fp8
+
+    try:
+        scales = fp8.take_scales(weights, fmt)
+        if quantization not in ("auto", "fp8"):
+            fp8.dequantize_weights(weights, scales, fmt)
+            return {}
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    return scales
+
+
+def _apply_fp8(model, scales: dict, fmt, device: torch.device, dtype, path: Path) -> None:
+    from models import fp8
+    from ops.quant.fp8 import device_fp8_support
+
+    if (reason := device_fp8_support(device)) is not None:
+        logger.warning(
+            "fp8 checkpoint on %s: %s; its linears run the reference path (dequantised to %s "
+            "per matmul)",
+            device,
+            reason,
+            dtype,
+        )
+    try:
+        count = fp8.apply_checkpoint_fp8(model, scales, fmt, dtype)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    logger.info("fp8 checkpoint: %d linear weights kept as e4m3 (block=%s)", count, fmt.block)
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -247,9 +319,13 @@ def resolve_dtype(dtype: str, raw: dict[str, Any], files: list[Path]) -> torch.d
 def _checkpoint_weights(
     family, args, files: list[Path], path: Path, shard=None
 ) -> dict[str, torch.Tensor]:
-    weights = safetensors_io.read_tensors(files)
-    if shard is not None:  # tensors sanitize would merge whole are cut to the rank's part first
-        weights = {name: shard.shard_raw(name, t) for name, t in weights.items()}
+    if shard is None:
+        weights = safetensors_io.read_tensors(files)
+    else:  # each rank reads its slices only (torch_runner/distributed/slice_read.py)
+        weights = shard.read_checkpoint(files)
+        weights, args = shard.shard_raw_weights(
+            weights, args
+        )  # per-expert tensors, before stacking
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
     if args.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints still store the copy

@@ -24,12 +24,13 @@ from ops.quant.int_linear import (
     activation_dtype,
     check_int4_shape,
     pack_int4,
+    quantize_int8,
     quantize_weight,
 )
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("auto", "none", "int8", "int4")  # auto: the checkpoint's own (loader)
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # auto: the checkpoint's own (loader)
 INT4_GROUP_SIZE = 32  # llama.cpp's Q4_0 / Q4_1 block size
 # an fp32 model's quantized linears compute in bf16 on a bf16 CPU (ops/quant/int_linear.py says
 # why); tests of the exact fp32 kernels turn it off
@@ -37,17 +38,23 @@ ROUND_FP32_ACTIVATIONS = True
 
 
 def quantize_linears(
-    model: nn.Module, mode: str, int4_sources: dict | None = None, head_mode: str | None = None
+    model: nn.Module,
+    mode: str,
+    int4_sources: dict | None = None,
+    head_mode: str | None = None,
+    shard=None,
 ) -> int:
     """Quantize the model's linears in place; returns how many weights were replaced.
 
     int4_sources: HF weight name -> (codes [N, K], scales, zeros [N, K/32]) already in int4 form
     (a GGUF's Q4 blocks); those are packed as they are, fused rows concatenated, not re-derived.
     head_mode: the lm_head's own mode when it differs (a GGUF with a Q8_0 embedding); default `mode`.
+    shard: a tensor-parallel plan (torch_runner/distributed/shard.py) whose `int8_amax(name)`
+    gives a row-parallel weight's full-row maxima across the ranks (None for other weights).
     """
-    if mode not in QUANTIZATIONS or mode == "auto":
+    if mode not in ("none", "int8", "int4"):  # fp8: quantize_linears_fp8; auto: the loader's
         raise ValueError(
-            f"quantization={mode!r} is not supported; allowed values: {', '.join(QUANTIZATIONS)}"
+            f"quantization={mode!r} is not supported; allowed values: none, int8, int4"
         )
     if mode == "none":
         return 0
@@ -74,6 +81,8 @@ def quantize_linears(
                 logger.warning("%s stays unquantized: %s", name, exc)
                 return weight
         count += 1
+        if mode == "int8" and shard is not None:
+            return quantize_int8(weight, shard.int8_amax(name))
         return quantize_weight(weight, mode, INT4_GROUP_SIZE)
 
     for name, module in list(model.named_modules()):
@@ -138,3 +147,40 @@ def _to_placeholders(*linears: nn.Linear) -> None:
     for lin in linears:
         meta = torch.empty(lin.weight.shape, dtype=lin.weight.dtype, device="meta")
         lin.weight = nn.Parameter(meta, requires_grad=False)
+
+
+def quantize_linears_fp8(model: nn.Module) -> int:
+    """`--quantization fp8`: every dense decoder linear and the lm_head (a tied model gets an fp8
+    copy of the embedding as its head) become e4m3 with per-channel scales, in place; returns how
+    many weights were replaced. The same replacement as int8 (module docstring)."""
+    from ops.quant.fp8 import quantize_fp8
+
+    count = 0
+
+    def quantize(weight: torch.Tensor):
+        nonlocal count
+        count += 1
+        return quantize_fp8(weight)
+
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            if module.qkv_weight is None:
+                module.fuse()
+            _replace_buffer(module, "qkv_weight", quantize(module.qkv_weight))
+            _to_placeholders(module.q_proj, module.k_proj, module.v_proj)
+            _replace_weight(module.o_proj, quantize(module.o_proj.weight))
+        elif isinstance(module, GatedMLP):
+            if module.gate_up_weight is None:
+                module.fuse()
+            _replace_buffer(module, "gate_up_weight", quantize(module.gate_up_weight))
+            _to_placeholders(module.gate_proj, module.up_proj)
+            _replace_weight(module.down_proj, quantize(module.down_proj.weight))
+    head = getattr(model, "lm_head", False)
+    if head is None:  # tied: an fp8 copy of the embedding as the head
+        embedding = model.model.embed_tokens.weight
+        model.lm_head = PackedHead(embedding)
+        _replace_buffer(model.lm_head, "weight", quantize(embedding))
+    elif isinstance(head, nn.Linear):
+        _replace_weight(head, quantize(head.weight))
+    logger.info("quantization=fp8: %d linear weights quantized (per-channel e4m3)", count)
+    return count

@@ -67,6 +67,8 @@ class Router(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
+    expert_parallel: dict = {}  # {"expert_start": s} on a rank > 0 holding experts s.. (tensor parallel)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate = Router(args)
@@ -83,6 +85,7 @@ class SparseMoeBlock(nn.Module):
             self.experts.down_proj,
             top_k=self.top_k,
             norm_topk_prob=self.norm_topk_prob,
+            **self.expert_parallel,
         )
         return out.view(x.shape)
 

@@ -15,6 +15,7 @@ from ops.rope import rope_cos_sin, rope_init
 
 attention = make_dispatcher("attention")
 rms_norm = make_dispatcher("rms_norm")
+add_rms_norm = make_dispatcher("add_rms_norm")
 layer_norm = make_dispatcher("layer_norm")
 apply_rope = make_dispatcher("apply_rope")
 moe_gpt_oss = make_dispatcher("moe_gpt_oss")
@@ -28,6 +29,7 @@ dit_rope = make_dispatcher("dit_rope")
 __all__ = [
     "OPS",
     "KeyLayout",
+    "add_rms_norm",
     "apply_rope",
     "attention",
     "backends",

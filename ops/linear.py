@@ -52,7 +52,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.is_quantized:  # QuantizedLinearWeight (plain tensors answer False)
         return weight.linear(x, bias)
+    if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        return _linear_eager_cuda(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+EAGER_ROW_BUCKET = 64  # eager CUDA matmuls of more than MIN_PADDED_ROWS rows round M up to this
+MIN_PADDED_ROWS = 16
+
+
+def _linear_eager_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Eager CUDA `x @ weight.T + bias` at a bucketed row count, the bias through cuBLAS's plain
+    GEMM (beta = 1 over the bias broadcast to [M, out]: the same single rounding as the fused
+    epilogue).
+
+    Why: cuBLAS chooses an algorithm per (M, N, K) and caches it; the first matmul at a new M
+    (a prefill chunk of a length never seen) paid that choice, so a new length cost 1.03-1.9x
+    a repeat on an H200 (tools/bench_cuda_decode.py --new-lengths). Padding M to a multiple of
+    EAGER_ROW_BUCKET (zero rows, sliced off) makes every chunk length one of a few shapes. With a
+    1-D bias `F.linear` takes cuBLASLt's bias epilogue, whose heuristic torch queries at every
+    call (136-383 us of host time per matmul); a 2-D broadcast bias keeps addmm off that path.
+    Graph capture keeps `F.linear`: its host cost is paid once, at capture.
+    """
+    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    rows = x2.shape[0]
+    padded = rows
+    if rows > MIN_PADDED_ROWS:
+        padded = -(-rows // EAGER_ROW_BUCKET) * EAGER_ROW_BUCKET
+        if padded != rows:
+            x2 = F.pad(x2, (0, 0, 0, padded - rows))  # [M', in], zero rows
+    if bias is None:
+        out = torch.mm(x2, weight.t())
+    else:
+        out = torch.addmm(bias.expand(padded, -1), x2, weight.t())  # [M', out]
+    return out[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
 def linear_add(

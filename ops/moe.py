@@ -23,8 +23,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ops.activation import clamped_swiglu, silu_mul
+from ops.linear import linear
 from ops.quant.mxfp4 import Mxfp4Experts, moe_gpt_oss_mxfp4
-from ops.routing import route_groups
+from ops.routing import local_experts, route_groups
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -58,9 +60,8 @@ def _grouped_experts(x, top_idx, scores, w_in, b_in, w_out, b_out, act, *, trans
     if transposed:  # HF F.linear layout [E, out, in] -> [E, in, out] views (column-major)
         w_in, w_out = w_in.transpose(1, 2), w_out.transpose(1, 2)
     h = torch._grouped_mm(x[order // k], w_in, offs=offsets)  # [T * k, 2I]
-    if b_in is not None:
-        h = h + b_in[experts]
-    y = torch._grouped_mm(act(h).to(x.dtype), w_out, offs=offsets)  # [T * k, H]
+    h = act(h) if b_in is None else act(h, b_in, experts)  # the bias add fused in the act
+    y = torch._grouped_mm(h.to(x.dtype), w_out, offs=offsets)  # [T * k, H]
     if b_out is not None:
         y = y + b_out[experts]
     y = y * scores.reshape(-1)[order, None]
@@ -83,7 +84,8 @@ def _dense_experts(x, top_idx, scores, w_in, b_in, w_out, b_out, act, *, transpo
     if b_out is not None:
         y = y + b_out[:, None]
     weights = torch.zeros(t, e, dtype=y.dtype, device=x.device)
-    weights.scatter_(1, top_idx, scores.to(y.dtype))  # [T, E], zero off the top-k
+    # [T, E], zero off the top-k; add, not assign: expert parallel's skipped pairs point at 0
+    weights.scatter_add_(1, top_idx, scores.to(y.dtype))
     return torch.einsum("te,eth->th", weights, y).to(x.dtype)
 
 
@@ -120,26 +122,28 @@ def moe_gpt_oss(
     top_k: int,
     limit: float = 7.0,
     alpha: float = 1.702,
+    expert_start: int = 0,
 ) -> torch.Tensor:
     """gpt-oss MoE: top-k of router logits, softmax over those k, clamped SwiGLU experts.
 
     x [T, H] -> [T, H] in x's dtype. Expert output: (clamp(up, -limit, limit) + 1) *
-    g * sigmoid(alpha * g) with g = clamp(gate, max=limit).
+    g * sigmoid(alpha * g) with g = clamp(gate, max=limit). Expert parallel: the expert tensors
+    hold experts [expert_start, expert_start + E_local) of the router's; the output is their part.
     """
     check_tokens("moe_gpt_oss", x, top_k, router_weight.shape[0])
     if isinstance(gate_up_proj, Mxfp4Experts):  # packed MXFP4 experts: ops/quant/mxfp4.py
         return moe_gpt_oss_mxfp4(
             x, router_weight, router_bias, gate_up_proj, gate_up_proj_bias, down_proj,
-            down_proj_bias, top_k=top_k, limit=limit, alpha=alpha,
+            down_proj_bias, top_k=top_k, limit=limit, alpha=alpha, expert_start=expert_start,
         )  # fmt: skip
-    logits = F.linear(x, router_weight, router_bias)  # [T, E]
+    logits = linear(x, router_weight, router_bias)  # [T, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
     scores = torch.softmax(top_val, dim=-1)
+    if gate_up_proj.shape[0] != router_weight.shape[0]:  # expert parallel
+        top_idx, scores = local_experts(top_idx, scores, expert_start, gate_up_proj.shape[0])
 
-    def act(h: torch.Tensor) -> torch.Tensor:  # [t, 2I] -> [t, I]
-        gate = h[:, ::2].clamp(max=limit)
-        up = h[:, 1::2].clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    def act(h: torch.Tensor, bias=None, rows=None) -> torch.Tensor:  # [t, 2I] -> [t, I]
+        return clamped_swiglu(h, limit, alpha, bias, rows)  # + bias[rows] first, if given
 
     run = _experts_for(x)
     return run(x, top_idx, scores, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
@@ -154,9 +158,10 @@ def moe_qwen3(
     *,
     top_k: int,
     norm_topk_prob: bool,
+    expert_start: int = 0,
 ) -> torch.Tensor:
     """Qwen3-MoE: softmax over all router logits (fp32), top-k, optional renormalisation, SiLU
-    experts. x [T, H] -> [T, H] in x's dtype."""
+    experts. x [T, H] -> [T, H] in x's dtype. expert_start: as in moe_gpt_oss."""
     check_tokens("moe_qwen3", x, top_k, gate_weight.shape[0])
     logits = F.linear(x, gate_weight)  # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -164,10 +169,7 @@ def moe_qwen3(
     if norm_topk_prob:
         top_val = top_val / top_val.sum(dim=-1, keepdim=True)
     scores = top_val.to(logits.dtype)
-    inter = down_proj.shape[2]
-
-    def act(h: torch.Tensor) -> torch.Tensor:  # [t, 2I] -> [t, I]
-        return F.silu(h[:, :inter]) * h[:, inter:]
-
-    run = _experts_for(x)
-    return run(x, top_idx, scores, gate_up_proj, None, down_proj, None, act, transposed=True)
+    if gate_up_proj.shape[0] != gate_weight.shape[0]:  # expert parallel
+        top_idx, scores = local_experts(top_idx, scores, expert_start, gate_up_proj.shape[0])
+    run = _experts_for(x)  # act: silu(h[:, :I]) * h[:, I:]
+    return run(x, top_idx, scores, gate_up_proj, None, down_proj, None, silu_mul, transposed=True)

@@ -4,6 +4,10 @@ Why fp32 inside: bf16 has 8 mantissa bits, so a mean of squares over 576-2880 ch
 in bf16 drifts visibly; every reference model (Llama, gpt-oss, Qwen3) upcasts. The weight is
 applied in fp32 and the result rounded once (gpt-oss and Gemma do this; Llama rounds before the
 weight, a one-ulp difference in bf16).
+
+On CUDA, bf16/fp16/fp32 `rms_norm` and `add_rms_norm` run one Triton kernel (ops/fused): the
+weight is read in its own dtype (no per-call `.float()` copy) and the residual add rides along.
+Elsewhere they are the torch ops below, unchanged.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from ops.fused import kernels_for
 
 
 def check_norm_shapes(
@@ -35,6 +41,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`rms_norm` without the shape check, for loops that checked their weights once."""
+    kernels = kernels_for(x)
+    if kernels is not None:
+        return kernels.add_rms_norm(x, None, weight, eps)[0]
     is_fp32 = x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32)
     if is_fp32 and x.device.type == "cpu":
         return _rms_norm_cpu(x, weight, eps)
@@ -44,6 +53,31 @@ def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
         return F.rms_norm(x, x.shape[-1:], weight, eps)
     w32 = None if weight is None else weight.float()
     return F.rms_norm(x.float(), x.shape[-1:], w32, eps).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s, weight, eps), s) with s = x + residual (s = x when residual is None).
+
+    The pre-norm decoder's "add the branch to the residual stream, normalise the sum" as one op:
+    one kernel on CUDA. Elsewhere it is exactly `s = x + residual` then the `rms_norm` op the
+    registry chose (so an MLX rms_norm still applies): the same values as the unfused layer,
+    since x + residual == residual + x bit for bit.
+    """
+    check_norm_shapes("add_rms_norm", x, weight)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(
+            f"add_rms_norm: residual must have x's shape {tuple(x.shape)}; "
+            f"got {tuple(residual.shape)}"
+        )
+    kernels = kernels_for(x)
+    if kernels is not None:
+        return kernels.add_rms_norm(x, residual, weight, eps)
+    from ops.registry import impl  # the registry imports this module lazily: no cycle
+
+    s = x if residual is None else x + residual
+    return impl("rms_norm")(s, weight, eps), s
 
 
 def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -29,6 +29,9 @@ logger = logging.getLogger("ops")
 OPS: dict[str, tuple[str, str]] = {
     "attention": ("ops.attention:attention", "ops.mlx.attention:attention"),
     "rms_norm": ("ops.norm:rms_norm", "ops.mlx.norm:rms_norm"),
+    # x + residual then the chosen rms_norm (one Triton kernel on CUDA); MLX: the same
+    # composition, whose norm is the MLX rms_norm when that op is routed
+    "add_rms_norm": ("ops.norm:add_rms_norm", "ops.norm:add_rms_norm"),
     "layer_norm": ("ops.norm:layer_norm", "ops.mlx.norm:layer_norm"),
     "apply_rope": ("ops.rope:apply_rope", "ops.mlx.rope:apply_rope"),
     "moe_gpt_oss": ("ops.moe:moe_gpt_oss", "ops.mlx.moe:moe_gpt_oss"),

@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from ops.fused import kernels_for
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -145,6 +147,39 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     swapped = x_rot.unflatten(-1, (2, rot // 2)).flip(-2).flatten(-2)  # [x2, x1]
     out = x_rot * cos + swapped * signed_sin
     return out if x_pass is None else torch.cat([out, x_pass], dim=-1)
+
+
+def rope_kv_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    num_q_heads: int,
+) -> torch.Tensor:
+    """One decode token per row: rotate q and k of qkv [T, Hq + 2 Hkv, D] by the `rope_tables`
+    rows cos / signed_sin [T, D_rot], store k and v into the paged pool k_pool / v_pool
+    [slots, Hkv, D] at `slots` [T], return the rotated q [T, Hq, D].
+
+    The torch composition (`rotate`, then `index_copy_`) is the reference and the path off
+    CUDA; on CUDA it is one Triton kernel (ops/fused) with the same values: it replaces rope's
+    four kernels, the k/v copies and the two pool writes of every layer.
+    """
+    t, heads, d = qkv.shape
+    hkv = (heads - num_q_heads) // 2
+    if heads != num_q_heads + 2 * hkv or k_pool.shape[1:] != (hkv, d):
+        raise ValueError(
+            f"rope_kv_write: qkv [T, Hq + 2 Hkv, D] = {tuple(qkv.shape)} with Hq={num_q_heads} "
+            f"does not match the pool's [slots, Hkv, D] = {tuple(k_pool.shape)}"
+        )
+    kernels = kernels_for(qkv)
+    if kernels is not None:
+        return kernels.rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, slots, num_q_heads)
+    qk = rotate(qkv[:, None, : num_q_heads + hkv], cos[:, None, None], signed_sin[:, None, None])
+    k_pool.index_copy_(0, slots, qk[:, 0, num_q_heads:])
+    v_pool.index_copy_(0, slots, qkv[:, num_q_heads + hkv :])
+    return qk[:, 0, :num_q_heads]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

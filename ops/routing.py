@@ -18,7 +18,19 @@ def route_groups(top_idx: torch.Tensor, num_experts: int):
     k = top_idx.shape[1]
     start = 0
     for expert, count in enumerate(counts):
-        if count:
+        if count and expert < num_experts:  # an index past them: another rank's (local_experts)
             sel = order[start : start + count]
             yield expert, sel // k, sel % k
         start += count
+
+
+def local_experts(top_idx: torch.Tensor, scores: torch.Tensor, start: int, count: int):
+    """Expert parallel: this rank holds experts [start, start + count) of the router's E.
+
+    top_idx [T, k] -> local indices; a pair routed to another rank's expert gets weight 0 and
+    index `count` on CPU (route_groups skips it: not computed) or 0 on CUDA (fixed shapes, no
+    host sync: computed, then zeroed). Summing the ranks' outputs gives the full MoE output."""
+    local = top_idx - start
+    mine = (local >= 0) & (local < count)
+    skip = 0 if top_idx.is_cuda else count
+    return torch.where(mine, local, skip), scores * mine.to(scores.dtype)

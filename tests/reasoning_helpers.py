@@ -66,3 +66,16 @@ def tokenize(client, **body) -> dict:
     base = str(client.base_url).rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {API_KEY}"}
     return httpx.post(f"{base}/tokenize", json=body, headers=headers, timeout=60).json()
+
+
+def stream_content_logprobs(client, **request) -> list[tuple[str, str]]:
+    """Each streamed chunk's (content delta, its logprob tokens joined), chunks with either."""
+    pairs = []
+    for chunk in client.chat.completions.create(stream=True, logprobs=True, **request):
+        for choice in chunk.choices:
+            tokens = (
+                "".join(t.token for t in (choice.logprobs.content or [])) if choice.logprobs else ""
+            )
+            if choice.delta.content or tokens:
+                pairs.append((choice.delta.content or "", tokens))
+    return pairs

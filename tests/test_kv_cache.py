@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ops.attention import attention
+from torch_runner.kv.block_manager import NO_BLOCK
 from torch_runner.kv.caches import (
     PagedKVPool,
     PagedLayerView,
@@ -20,6 +21,7 @@ from torch_runner.kv.caches import (
     WindowedBatchView,
     WindowedKVCache,
 )
+from torch_runner.kv.windows import payload_source, restore_windows
 
 H_KV, H_Q, D = 2, 4, 8
 
@@ -94,22 +96,49 @@ def test_windowed_attention_equals_full_history_attention():
         torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_snapshot_restores_an_equivalent_window():
+@pytest.mark.parametrize("window, block_size", [(4, 4), (6, 4), (3, 4), (8, 2)])
+def test_block_payloads_join_into_the_window_at_every_boundary(window, block_size):
+    """Per-block payloads (kv/windows.py) taken from two layers' buffers, joined over the last
+    ceil(window / block) blocks before a boundary, restore caches whose next keys are exactly
+    the full history's window there (bit for bit), and none is claimed once the ring lost it."""
     torch.manual_seed(1)
-    window = 4
-    cache = WindowedKVCache(window)
-    full_k = torch.randn(1, H_KV, 13, D)
-    full_v = torch.randn(1, H_KV, 13, D)
-    cache.update_and_fetch(full_k[:, :, :8], full_v[:, :, :8])
-    cache.update_and_fetch(full_k[:, :, 8:13], full_v[:, :, 8:13])
-    snap = cache.snapshot(12)
-    assert snap is not None
-    torch.testing.assert_close(snap[0], full_k[:, :, 8:12], rtol=0, atol=0)
-    assert cache.snapshot(2) is None  # no longer held
-    restored = WindowedKVCache.restore(window, *snap, offset=12)
-    keys, _, layout = restored.update_and_fetch(full_k[:, :, 12:13], full_v[:, :, 12:13])
-    assert int(layout.k_offsets[0]) == 8
-    torch.testing.assert_close(keys, full_k[:, :, 8:13], rtol=0, atol=0)
+    layers = [WindowedKVCache(window) for _ in range(2)]
+    full = [(torch.randn(1, H_KV, 23, D), torch.randn(1, H_KV, 23, D)) for _ in layers]
+    payloads = {}
+    source = None
+    for lo, hi in [(0, 9), (9, 10), (10, 11), (11, 17), (17, 18), (18, 22)]:  # chunks, decodes
+        for cache, (k, v) in zip(layers, full):
+            cache.update_and_fetch(k[:, :, lo:hi], v[:, :, lo:hi])
+        source = payload_source(layers, block_size)
+        for i in range(hi // block_size):  # every completed block, while the ring holds it
+            if i not in payloads:
+                payloads[i] = source(i)
+    count = min(block_size, window)
+    for i, payload in payloads.items():
+        if payload is None:
+            continue
+        end = (i + 1) * block_size
+        for layer, (k, _) in enumerate(full):
+            torch.testing.assert_close(
+                payload[0][layer], k[0, :, end - count : end], rtol=0, atol=0
+            )
+    assert source(0) is None  # position 0..block is long out of the ring
+    checked = 0
+    for i in payloads:
+        end = (i + 1) * block_size
+        need = -(-min(window, end) // block_size)
+        chain = [payloads.get(j) for j in range(i + 1 - need, i + 1)]
+        if any(p is None for p in chain):
+            continue
+        restored = restore_windows(window, (end, chain))
+        for cache, (k, v) in zip(restored, full):
+            keys, _, layout = cache.update_and_fetch(k[:, :, end : end + 1], v[:, :, end : end + 1])
+            torch.testing.assert_close(
+                keys, k[:, :, end - min(window, end) : end + 1], rtol=0, atol=0
+            )
+            assert int(layout.k_offsets[0]) == end - min(window, end)
+        checked += 1
+    assert checked >= 22 // block_size - 1  # every boundary but the first few was restorable
 
 
 def test_paged_view_returns_each_rows_history_and_matches_brute_attention():
@@ -196,3 +225,32 @@ def test_single_row_fetch_is_the_history_whether_blocks_are_consecutive_or_not(t
         torch.testing.assert_close(keys[0], hist_k[:, :end], rtol=0, atol=0)
         torch.testing.assert_close(values[0], hist_v[:, :end], rtol=0, atol=0)
         assert int(layout.kv_lens[0]) == keys.shape[2] == end
+
+
+def test_blocks_given_back_behind_the_window_read_the_zero_pad_slot():
+    """A table [NO_BLOCK, 0, 1] (block 0 given back, then ids 0 and 1: "consecutive" from -1)
+    is gathered, not sliced; the hole's keys are the pad slot's zeros (NaN-free), and windowed
+    attention of queries that cannot see the hole equals the brute-force window over the true
+    history."""
+    torch.manual_seed(5)
+    bs, window = 4, 4
+    pool = PagedKVPool(1, 4, bs, H_KV, D, torch.float32, "cpu")
+    pool.k.fill_(float("nan"))  # every slot but the pad slot: garbage that must not be read
+    pool.v.fill_(float("nan"))
+    pool.k[:, pool.pad_slot].zero_()
+    pool.v[:, pool.pad_slot].zero_()
+    table = [NO_BLOCK, 0, 1]
+    hist_k, hist_v = torch.randn(H_KV, 11, D), torch.randn(H_KV, 11, D)
+    pool.k[0, :4], pool.v[0, :4] = hist_k[:, 4:8].transpose(0, 1), hist_v[:, 4:8].transpose(0, 1)
+    meta = PagedStepMeta([table], [8], [3], bs, "cpu", pool.pad_slot)  # positions 8..10
+    assert meta.first_slot is None
+    k, v = hist_k[None, :, 8:11], hist_v[None, :, 8:11]
+    keys, values, layout = PagedLayerView(pool, 0, meta).update_and_fetch(k, v)
+    assert torch.equal(keys[0, :, :4], torch.zeros(H_KV, 4, D))  # the hole
+    torch.testing.assert_close(keys[0, :, 4:11], hist_k[:, 4:11], rtol=0, atol=0)
+    q = torch.randn(1, H_Q, 3, D)
+    positions = torch.arange(8, 11)[None]
+    out = attention(q, keys, values, positions, layout, sm_scale=D**-0.5, window=window)
+    want = _brute_attention(q[0], hist_k, hist_v, positions[0], torch.arange(11), window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0].double(), want, rtol=1e-5, atol=1e-5)

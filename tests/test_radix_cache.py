@@ -3,7 +3,7 @@ counting with the BlockManager, LRU eviction of unreferenced leaves, payload-gat
 
 import random
 
-from torch_runner.kv.block_manager import BlockManager
+from torch_runner.kv.block_manager import NO_BLOCK, BlockManager
 from torch_runner.kv.radix_cache import RadixCache
 
 BS = 4
@@ -101,17 +101,73 @@ def test_referenced_blocks_are_never_evicted():
 
 def test_payload_gated_match_stops_at_deepest_payload_node():
     bm = BlockManager(num_blocks=16, block_size=BS)
-    cache = RadixCache(bm, max_payloads=1)
+    cache = RadixCache(bm, max_payloads=2)
     tokens = list(range(16))
-    _insert(cache, bm, tokens[:8], payload="at-8")
+    _insert(cache, bm, tokens[:8], payload=lambda i: f"block-{i}" if i == 1 else None)
     _insert(cache, bm, tokens)  # deeper path, no payload
-    blocks, payload = cache.match_prefix(tokens, 16, need_payload=True)
-    assert len(blocks) == 2 and payload == "at-8"
-    blocks, payload = cache.match_prefix(tokens, 16)
-    assert len(blocks) == 4 and payload is None
-    _insert(cache, bm, [7] * 4, payload="other")  # the cap (1) drops the older payload
-    assert cache.num_payloads == 1
+    blocks, restore = cache.match_prefix(tokens, 16, need_payload=True)
+    assert len(blocks) == 2 and restore == (8, ["block-1"])
+    blocks, restore = cache.match_prefix(tokens, 16)
+    assert len(blocks) == 4 and restore is None
+    _insert(cache, bm, [7] * 8, payload=lambda i: f"other-{i}")  # the cap (2) drops the oldest
+    assert cache.num_payloads == 2
     assert cache.match_prefix(tokens, 16, need_payload=True) == ([], None)
+
+
+def _covered_oracle(has_payload: list[bool], window: int, limit: int) -> int:
+    """Deepest node count n <= limit whose last ceil(min(window, n*BS) / BS) nodes all hold a
+    payload (brute force: check every candidate)."""
+    best = 0
+    for n in range(1, limit + 1):
+        need = -(-min(window, n * BS) // BS)
+        if all(has_payload[n - need : n]):
+            best = n
+    return best
+
+
+def test_windowed_match_is_the_deepest_node_whose_window_payloads_are_all_held():
+    rng = random.Random(0)
+    for window in (2, 4, 7, 8, 13):
+        for _ in range(30):
+            bm = BlockManager(num_blocks=64, block_size=BS)
+            cache = RadixCache(bm, max_payloads=1000, window=window)
+            tokens = [rng.randrange(50) for _ in range(10 * BS)]
+            has = [rng.random() < 0.7 for _ in range(10)]
+            _insert(cache, bm, tokens, payload=lambda i, has=has: i if has[i] else None)
+            limit = rng.randrange(0, 11)
+            blocks, restore = cache.match_prefix(tokens + [1], limit * BS, need_payload=True)
+            n = _covered_oracle(has, window, limit)
+            assert len(blocks) == n, (window, has, limit)
+            if n:
+                need = -(-min(window, n * BS) // BS)
+                assert restore == (n * BS, list(range(n - need, n)))
+            else:
+                assert restore is None
+
+
+def test_insert_asks_payloads_only_for_nodes_without_one():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    cache = RadixCache(bm, window=8)
+    asked: list[int] = []
+    tokens = list(range(12))
+
+    def source(i):
+        asked.append(i)
+        return i
+
+    _insert(cache, bm, tokens[:8], payload=source)
+    _insert(cache, bm, tokens, payload=source)
+    assert asked == [0, 1, 2]
+
+
+def test_payload_cap_drops_the_deepest_of_a_path_first():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    cache = RadixCache(bm, max_payloads=3, window=8)
+    tokens = list(range(20))
+    _insert(cache, bm, tokens, payload=lambda i: i)  # 5 payloads, cap 3: keep blocks 0-2
+    assert cache.num_payloads == 3
+    blocks, restore = cache.match_prefix(tokens, 20, need_payload=True)
+    assert len(blocks) == 3 and restore == (12, [1, 2])
 
 
 def test_deep_chains_do_not_recurse():
@@ -123,3 +179,42 @@ def test_deep_chains_do_not_recurse():
     bm.release(table)
     assert cache.num_evictable_blocks() == 3000
     assert cache.evict(3000) == 3000 and bm.num_free_blocks == 4096
+
+
+def test_hole_nodes_hold_no_block_and_matches_end_where_the_window_is_held():
+    """Paged all-window models cache blocks given back behind the window as holes (NO_BLOCK):
+    no reference is taken, a match needs the blocks of its last window (here 8 tokens: two
+    nodes), a later insert with a real block fills a hole, eviction counts only real blocks."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    cache = RadixCache(bm, window=8)
+    tokens = list(range(28))  # 7 blocks
+    table: list[int] = []
+    bm.grow(table, 28)
+    for j in (1, 2, 3):  # the middle went behind the window
+        bm.decref(table[j])
+        table[j] = NO_BLOCK
+    cache.insert(tokens, table)
+    bm.release(table)
+    assert bm.num_used_blocks == 4 and cache.num_nodes == 7
+    for limit, expect in ((28, 7), (24, 6), (20, 1), (8, 1), (4, 1)):
+        blocks, restore = cache.match_prefix(tokens, limit)
+        assert len(blocks) == expect and restore is None, limit
+    assert cache.match_prefix(tokens, 28)[0][1:4] == [NO_BLOCK] * 3
+    refill: list[int] = []
+    bm.grow(refill, 16)
+    cache.insert(tokens[:16], refill)  # block 0 exists; blocks 1-3 fill the holes
+    bm.release(refill)
+    assert (
+        len(cache.match_prefix(tokens, 16)[0]) == 4
+        and NO_BLOCK not in cache.match_prefix(tokens, 28)[0]
+    )
+    assert cache.num_evictable_blocks() == 7
+    assert cache.evict(16) == 7 and bm.num_free_blocks == 16
+
+
+def test_block_manager_ignores_references_on_no_block():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    table = [bm.allocate(), NO_BLOCK, bm.allocate()]
+    bm.incref(NO_BLOCK)
+    bm.release(table)
+    assert bm.num_free_blocks == 4 and table == []

@@ -371,3 +371,41 @@ def test_tokenize_counts_the_harmony_prompt_a_chat_request_gets(gptoss):
     assert low["tokens"] == spy.prompts[-1]
     refused = tokenize(client, messages=USER, chat_template_kwargs={"enable_thinking": False})
     assert refused["error"]["param"] == "chat_template_kwargs"
+
+
+def _final_channel_tokens(encoding, token_ids):
+    """openai-harmony's own streaming parser, token by token: the ids whose text it put in the
+    final channel's message body (the oracle for content logprobs)."""
+    parser = harmony.StreamableParser(encoding, harmony.Role.ASSISTANT)
+    ids = []
+    for token_id in token_ids:
+        if token_id == 199999:  # the grammar's end-of-text
+            continue
+        parser.process(token_id)
+        if parser.current_channel == "final" and parser.last_content_delta:
+            ids.append(token_id)
+    return ids
+
+
+def test_harmony_logprobs_cover_exactly_the_final_message(gptoss, harmony_encoding):
+    from reasoning_helpers import stream_content_logprobs
+
+    client, spy = gptoss
+    request = dict(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=60,
+        temperature=1.0,
+        seed=5,
+        extra_body={"response_format": {"type": "grammar", "grammar": ANSWER_GRAMMAR}},
+    )
+    reply = client.chat.completions.create(**request, logprobs=True, top_logprobs=2)
+    message, items = reply.choices[0].message, reply.choices[0].logprobs.content
+    oracle = _final_channel_tokens(harmony_encoding, spy.outputs[f"{reply.id}-0"])
+    assert len(items) == len(oracle) and message.reasoning_content
+    assert [harmony_encoding.decode([t]) for t in oracle] == [item.token for item in items]
+    assert "".join(item.token for item in items) == message.content
+    assert all(len(item.top_logprobs) == 2 for item in items)
+    pairs = stream_content_logprobs(client, **request)
+    assert all(delta == tokens for delta, tokens in pairs), pairs
+    assert "".join(delta for delta, _ in pairs) == message.content

@@ -157,21 +157,62 @@ def test_every_completion_field_is_accepted(client):
     assert client.completions.create(**fields).choices[0].text == baseline.choices[0].text
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("audio", {"voice": "alloy", "format": "wav"}),
-        ("web_search_options", {"search_context_size": "low"}),
-        ("moderation", {"model": "omni-moderation-latest"}),
-        ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
-        ("function_call", "auto"),
-        ("modalities", ["text", "audio"]),
-    ],
-)
-def test_fields_that_cannot_be_honoured_are_a_400_naming_them(client, field, value):
+# Non-null values of the fields accepted and ignored (docs/serving.md "Request fields"): the
+# greedy answer must not change. The names come from the openai SDK's own request type.
+IGNORED_NON_NULL = {
+    "audio": {"voice": "alloy", "format": "wav"},
+    "web_search_options": {"search_context_size": "low", "user_location": None},
+    "moderation": {"model": "omni-moderation-latest"},
+}
+
+
+def test_ignored_fields_are_openai_fields():
+    assert set(IGNORED_NON_NULL) <= set(chat_params.CompletionCreateParamsBase.__annotations__)
+
+
+@pytest.mark.parametrize(("field", "value"), sorted(IGNORED_NON_NULL.items()))
+def test_non_null_ignored_fields_are_accepted_and_change_nothing(client, field, value):
+    baseline = _greedy_chat_text(client)
+    assert _chat(client, temperature=0.0, **{field: value}).choices[0].message.content == baseline
+
+
+def test_audio_output_is_a_400_naming_modalities(client):
     with pytest.raises(openai.BadRequestError) as info:
-        _chat(client, **{field: value})
-    assert info.value.body["param"] == field, info.value.body
+        _chat(client, modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+    assert info.value.body["param"] == "modalities", info.value.body
+
+
+LEGACY_FUNCTION = {
+    "name": "pick",
+    "parameters": {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_legacy_functions_are_taken_as_tools(client):
+    import jsonschema
+
+    reply = _chat(
+        client,
+        functions=[LEGACY_FUNCTION],
+        function_call={"name": "pick"},
+        max_tokens=40,
+        temperature=0.0,
+    )
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "pick"
+    jsonschema.validate(json.loads(call.function.arguments), LEGACY_FUNCTION["parameters"])
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(
+            client,
+            functions=[LEGACY_FUNCTION],
+            tools=[{"type": "function", "function": LEGACY_FUNCTION}],
+        )
+    assert info.value.body["param"] == "functions"
 
 
 @pytest.mark.parametrize(

@@ -174,3 +174,35 @@ def test_tokenize_applies_chat_template_kwargs(qwen3):
         USER, tokenize=False, add_generation_prompt=True, enable_thinking=False
     )
     assert tokenizer.decode(counted) == oracle
+
+
+@pytest.mark.parametrize("open_think", [False, True])
+def test_think_logprobs_cover_only_the_content(qwen3, open_think):
+    """Byte tokenizer: one token per character, so the content's tokens are exactly its text; the
+    reasoning, both tags and the end-of-turn token must be left out, streamed chunk by chunk too."""
+    from reasoning_helpers import stream_content_logprobs
+
+    client, _, _ = qwen3
+    regex = r"[a-z][a-z ]{2,10}</think>[a-z][a-z ]{2,10}"
+    request = dict(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=60,
+        temperature=1.0,
+        seed=11,
+        extra_body={
+            "response_format": {
+                "type": "regex",
+                "regex": regex if open_think else "<think>" + regex,
+            },
+            "chat_template_kwargs": {"open_think": open_think},
+        },
+    )
+    reply = client.chat.completions.create(**request, logprobs=True)
+    message, items = reply.choices[0].message, reply.choices[0].logprobs.content
+    assert message.reasoning_content and message.content
+    assert "".join(item.token for item in items) == message.content
+    assert reply.usage.completion_tokens > len(items) + len("</think>")
+    pairs = stream_content_logprobs(client, **request)
+    assert all(delta == tokens for delta, tokens in pairs), pairs
+    assert "".join(delta for delta, _ in pairs) == message.content

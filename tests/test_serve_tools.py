@@ -349,3 +349,71 @@ def test_strict_pydantic_tools_parse_through_the_client_helpers(client):
     with client.chat.completions.stream(**args) as stream:
         [streamed] = stream.get_final_completion().choices[0].message.tool_calls
     assert streamed.function.parsed_arguments == call.function.parsed_arguments
+
+
+def test_auto_constrains_calls_with_the_servers_grammar(server, client):
+    """The engine gets the structural tag of serve/auto_tools.py for `auto` (what it enforces is
+    tested with xgrammar's matcher in test_serve_auto_tools.py); xgrammar's matcher on the
+    server's own grammar must accept the answer and a hermes call, and reject a call to an
+    unknown function."""
+    import xgrammar as xgr
+    from engine_helpers import byte_tokenizer
+
+    seen = []
+    original = server.async_engine.submit
+
+    def submit(requests):
+        seen.extend(params.structured for _, _, params in requests)
+        return original(requests)
+
+    server.async_engine.submit = submit
+    try:
+        reply = _create(client, max_tokens=20, temperature=0)
+    finally:
+        server.async_engine.submit = original
+    [spec] = seen
+    assert spec is not None and spec.kind == "ebnf"
+    info = xgr.TokenizerInfo.from_huggingface(byte_tokenizer(), vocab_size=256)
+    grammar = xgr.GrammarCompiler(info).compile_grammar(spec.spec)
+    matcher = xgr.GrammarMatcher(grammar)
+    assert matcher.accept_string(reply.choices[0].message.content)
+    good = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    assert xgr.GrammarMatcher(grammar).accept_string("Hi " + good)
+    assert not xgr.GrammarMatcher(grammar).accept_string('<tool_call>\n{"name": "rm_rf"')
+    assert not xgr.GrammarMatcher(grammar).accept_string(good.replace("CET", "cet"))
+
+
+def test_forced_calls_have_no_content_logprobs(client):
+    """A forced call's message has no content, so `logprobs.content` lists no token (stream too)."""
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    reply = _create(client, tool_choice=choice, logprobs=True, top_logprobs=1)
+    assert reply.choices[0].message.content is None and reply.choices[0].message.tool_calls
+    assert reply.choices[0].logprobs.content == [] and reply.usage.completion_tokens > 3
+    args = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0)
+    chunks = list(
+        client.chat.completions.create(**args, tool_choice=choice, logprobs=True, stream=True)
+    )
+    assert not [
+        item
+        for chunk in chunks
+        for c in chunk.choices
+        for item in ((c.logprobs.content or []) if c.logprobs else [])
+    ]
+
+
+def test_auto_call_text_has_no_content_logprobs(client):
+    """Byte tokenizer: one token per character. The hermes block and the blank before it are not
+    content, so the content's logprob tokens spell exactly "Sure." (stream: chunk by chunk)."""
+    extra = {"response_format": {"type": "regex", "regex": HERMES_REGEX}, "logprobs": True}
+    reply = _create(client, tool_choice="auto", **extra)
+    assert reply.choices[0].message.tool_calls
+    assert "".join(t.token for t in reply.choices[0].logprobs.content) == "Sure."
+    args = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0)
+    pairs = []
+    for chunk in client.chat.completions.create(**args, tool_choice="auto", stream=True, **extra):
+        for c in chunk.choices:
+            tokens = "".join(t.token for t in (c.logprobs.content or [])) if c.logprobs else ""
+            if c.delta.content or tokens:
+                pairs.append((c.delta.content or "", tokens))
+    assert all(delta == tokens for delta, tokens in pairs), pairs
+    assert "".join(delta for delta, _ in pairs) == "Sure."

@@ -9,7 +9,6 @@ with its sinks split by head and both MoE families split within each expert.
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
 import os
 import signal
@@ -24,16 +23,15 @@ from torch_runner.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text")
 LOGPROB_ATOL = 1e-4
-PORTS = itertools.cycle(range(18750, 18800))  # gloo rendezvous ports (MASTER_PORT)
 # a small pool (8 blocks of 16) so the batch below preempts; 16-token chunks split the prompts
 ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_total_tokens=128, chunked_prefill_size=16,
                      swa_kv="paged")  # fmt: skip
 
 
 def tp_engine(path, monkeypatch, **kwargs) -> Engine:
-    monkeypatch.setenv("MASTER_PORT", str(next(PORTS)))
+    monkeypatch.delenv("MASTER_PORT", raising=False)  # rank 0 picks a free port
     return Engine(str(path), tensor_parallel_size=2, **{**ENGINE_KWARGS, **kwargs})
 
 
@@ -68,12 +66,18 @@ def checkpoint(request, tmp_path_factory):
 def test_two_ranks_match_one_rank(checkpoint, monkeypatch):
     single = Engine(str(checkpoint), **ENGINE_KWARGS)
     want_tokens, want_logprobs, want_cached = summary(workload(single))
-    assert single.stats()["num_preemptions"] > 0, "the pool must be small enough to preempt"
+    # (a model whose every layer is windowed gives back blocks behind the window: it fits, and
+    # runs the workers over block tables with holes instead; kv/windows.py)
+    assert single.stats()["num_preemptions"] > 0 or single.runner.layout.frees_behind_window, (
+        "the pool must be small enough to preempt"
+    )
     assert want_cached >= 32, "the last prompt must hit the prefix cache"
     engine = tp_engine(checkpoint, monkeypatch)
     try:
         tokens, logprobs, cached = summary(workload(engine))
         assert engine.stats()["num_preemptions"] == single.stats()["num_preemptions"]
+        # the CPU flat decode loop runs under tp wherever it runs at one rank (llama here)
+        assert (engine.runner.fast_decode is None) == (single.runner.fast_decode is None)
         # rank 0 holds half the weights (norms and the router are replicated: a few percent)
         share = num_weights(engine) / num_weights(single)
         assert 0.5 <= share < 0.56, share
@@ -108,9 +112,7 @@ def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path, monkeypatch):
     [
         (dict(tensor_parallel_size=0), "llama", "tensor_parallel_size=0 is invalid"),
         (dict(tensor_parallel_size=3), "llama", "must divide num_attention_heads (4)"),
-        (dict(tensor_parallel_size=2), "gemma3_text", "not supported for model_type 'gemma3_text'"),
         (dict(tensor_parallel_size=2, swa_kv="windowed"), "llama", "swa_kv='windowed'"),
-        (dict(tensor_parallel_size=2, quantization="int8"), "llama", "quantization='int8'"),
     ],
 )
 def test_bad_combinations_fail_before_any_rank_starts(tmp_path, overrides, model_type, message):
@@ -118,18 +120,6 @@ def test_bad_combinations_fail_before_any_rank_starts(tmp_path, overrides, model
     with pytest.raises(ValueError) as info:
         Engine(str(path), **{**ENGINE_KWARGS, **overrides})
     assert message in str(info.value)
-    assert not multiprocessing.active_children()
-
-
-def test_packed_mxfp4_experts_are_refused_before_any_rank_starts(tmp_path):
-    import json
-
-    path, _ = save_engine_checkpoint("gpt_oss", tmp_path)
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="moe_weights='packed' is not supported"):
-        Engine(str(path), tensor_parallel_size=2, **ENGINE_KWARGS)
     assert not multiprocessing.active_children()
 
 
@@ -183,7 +173,7 @@ def test_workers_exit_when_rank_0_is_killed(tmp_path):
         "tensor_parallel_size=2)\n"
         "print(e.tensor_parallel.processes[0].pid, flush=True)\nos.kill(os.getpid(), 9)\n"
     )
-    env = {**os.environ, "MASTER_PORT": str(next(PORTS)), "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"} | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, cwd=Path(__file__).parents[1], timeout=120)  # fmt: skip
     worker = int(done.stdout.split()[0])

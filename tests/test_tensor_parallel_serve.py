@@ -65,8 +65,10 @@ def _children(pid: int) -> list[int]:
 def test_spawned_ranks_serve_the_openai_client_and_a_dead_rank_stops_the_server(
     checkpoint, expected
 ):
+    from torch_runner.distributed.group import free_port
+
     server = ServerProcess(checkpoint, *FLAGS, "--tensor-parallel-size", "2",
-                           env={"MASTER_PORT": "18760"})  # fmt: skip
+                           env={"MASTER_PORT": str(free_port())})  # fmt: skip
     try:
         _check(server.base_url, expected, checkpoint)
         workers = [p for p in _children(server.process.pid)

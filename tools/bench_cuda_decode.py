@@ -6,9 +6,18 @@ random tokens, --gen-len greedy tokens each, CUDA graphs on (the engine's defaul
 roofline: (weight bytes read per step + KV bytes read) / --bandwidth, where an MoE step reads
 the experts its B x top_k picks are expected to hit, E * (1 - (1 - k/E)^B) of E.
 
+`--quantization int8|int4|fp8` quantizes the random bf16 weights at load (models/quantize.py);
+the roofline then counts the packed bytes, and each row reports peak GPU memory (weights after
+load, and the peak of the whole run). Run one mode per process for per-mode peaks.
+
 `--new-lengths` also times eager prefill steps of prompt lengths the process has never seen
 (first occurrence) against the same lengths again: with no per-shape plan builds or compiles
 the ratio is ~1.
+
+`--async-scheduling both` times overlapped scheduling on and off on one engine, runs
+interleaved (on, off, on, off, ...), and reports both medians and their ratio; with
+`--profile-batch B` it also profiles B-row decode steps in both modes and prints the GPU busy
+time per step (torch.profiler, device events) and the idle fraction of the unprofiled step.
 
 It imports only the public Engine API, so running it with PYTHONPATH set to another checkout
 measures that checkout (before/after ratios from one call):
@@ -50,6 +59,9 @@ GEOMETRIES = {
                                           truncate=False),
                         attention_bias=True, swiglu_limit=7.0, max_position_embeddings=131072),
 }  # fmt: skip
+# the same geometry with its experts in MXFP4 as on disk (ops/quant: packed, Triton on CUDA)
+GEOMETRIES["gpt-oss-20b-mxfp4"] = dict(GEOMETRIES["gpt-oss-20b"],
+                                       quantization_config=dict(quant_method="mxfp4"))  # fmt: skip
 COMMON = dict(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
               dtype="bfloat16")  # fmt: skip
 
@@ -93,14 +105,17 @@ def decode_run(engine: Engine, prompts, gen_len: int) -> float:
 def roofline(engine: Engine, batch: int, context: float, bandwidth: float) -> float:
     """Decode tok/s if every step only streamed its bytes at `bandwidth` (bytes/s)."""
     model, args = engine.runner.model, engine.args
-    dense = expert = 0
-    for name, p in model.named_parameters():
-        if p.device.type == "meta":
-            continue
+    dense, packed_head = quantized_bytes(model)
+    expert = 0
+    tensors = [*model.named_parameters(), *model.named_buffers()]  # packed experts are buffers
+    for name, p in tensors:
+        if p.device.type == "meta" or name.endswith(("qkv_weight", "qkv_bias", "gate_up_weight",
+                                                      "gate_up_bias", "inv_freq")):  # fmt: skip
+            continue  # the fused matrices share the q/k/v and gate/up parameters' storage
         size = p.numel() * p.element_size()
         if ".experts." in name:
             expert += size
-        elif "embed_tokens" not in name or args.tie_word_embeddings:
+        elif "embed_tokens" not in name or (args.tie_word_embeddings and not packed_head):
             dense += size  # the embedding is read only for B rows unless it is the lm_head
     e = getattr(args, "num_local_experts", 0) or getattr(args, "num_experts", 0)
     if e:
@@ -112,6 +127,25 @@ def roofline(engine: Engine, batch: int, context: float, bandwidth: float) -> fl
              for t in args.layer_types) * per_layer  # fmt: skip
     step = (dense + expert + batch * kv) / bandwidth
     return batch / step
+
+
+def dense_gib(model) -> float:
+    """Resident dense tensors (parameters and buffers, shared storages once), GiB."""
+    seen = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values()) / 2**30
+
+
+def quantized_bytes(model) -> tuple[int, bool]:
+    """Bytes of the quantized linear weights (not parameters), and whether the lm_head is one."""
+    from ops.quant.int_linear import QuantizedLinearWeight
+
+    found = {id(v): v for m in model.modules() for v in vars(m).values()
+             if isinstance(v, QuantizedLinearWeight)}  # fmt: skip
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    return sum(w.nbytes() for w in found.values()), isinstance(head, QuantizedLinearWeight)
 
 
 def new_length_prefills(engine: Engine, lengths, vocab: int) -> list[dict]:
@@ -141,8 +175,10 @@ def _device_time_us(events) -> float:
     return sum(e.self_device_time_total for e in events if e.device_type == cuda)
 
 
-def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 20):
-    """torch.profiler table of `steps` pure decode steps at `batch` (after a warm-up)."""
+def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 20,
+                  table: bool = True) -> float:  # fmt: skip
+    """torch.profiler table of `steps` pure decode steps at `batch` (after a warm-up); returns
+    the GPU busy ms per step."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(2)
@@ -163,10 +199,16 @@ def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps
         engine.step()
     events = prof.key_averages()
     gpu_us = _device_time_us(events) / steps
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = sum(e.count for e in events if e.device_type == cuda) / steps
+    layers = engine.args.num_hidden_layers
     print(
-        f"profile batch {batch}: {wall:.2f} ms/step wall (profiled), GPU busy {gpu_us / 1e3:.2f} ms/step"
+        f"profile batch {batch}: {wall:.2f} ms/step wall (profiled), GPU busy {gpu_us / 1e3:.2f} "
+        f"ms/step, {kernels:.0f} kernels/step ({kernels / layers:.1f} per layer of {layers})"
     )
-    print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+    if table:
+        print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+    return gpu_us / 1e3
 
 
 def profile_new_length(engine: Engine, length: int, vocab: int) -> None:
@@ -203,6 +245,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-gen", type=int, default=16, help="tokens of the warm-up run")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", choices=("auto", "on", "off", "both"), default="auto",
+                        help="overlapped scheduling; both: on and off interleaved, one engine")  # fmt: skip
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "fp8"])
+    parser.add_argument("--fp8-weight-only-rows", type=int, default=None,
+                        help="fp8: batches up to this many rows use the Triton weight-only kernel "
+                        "(ops.quant.fp8.WEIGHT_ONLY_MAX_ROWS; 0: always _scaled_mm)")  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s (H200 copy)")
     parser.add_argument("--new-lengths", default="", help="e.g. 301,517,999 ('' skips)")
     parser.add_argument("--label", default="", help="tag printed in every JSON row")
@@ -211,37 +259,72 @@ def main() -> None:
                         help="profile a never-seen prefill length, then a repeat (0: off)")  # fmt: skip
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
+    if args.fp8_weight_only_rows is not None:
+        from ops.quant import fp8
+
+        fp8.WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_rows
     tmp = Path(tempfile.mkdtemp(prefix="bench_cuda_"))
     t0 = time.perf_counter()
     engine = Engine(write_checkpoint(args.geometry, tmp / args.geometry), device="cuda",
                     dtype="bfloat16", load_format="dummy",
                     max_total_tokens=max(batches) * (args.prompt_len + args.gen_len) + 4096,
                     max_num_seqs=max(batches), enable_prefix_caching=False,
-                    enforce_eager=args.enforce_eager, cuda_graph_max_bs=max(batches))  # fmt: skip
+                    enforce_eager=args.enforce_eager, cuda_graph_max_bs=max(batches),
+                    quantization=args.quantization,
+                    async_scheduling={"on": True, "off": False}.get(args.async_scheduling))  # fmt: skip
+    modes = [engine.is_overlapped] if args.async_scheduling != "both" else [True, False]
+    step_ms = {}  # (batch, overlapped) -> unprofiled ms per decode step
     load_s = time.perf_counter() - t0
+    weights_gib = torch.cuda.memory_allocated() / 2**30  # weights (+ the KV pool)
     graphs = getattr(engine.runner, "decode_graphs", None) is not None
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
     for batch in batches:
         prompts = [torch.randint(100, vocab - 1, (args.prompt_len,), generator=gen).tolist()
                    for _ in range(batch)]  # fmt: skip
-        decode_run(engine, prompts, args.warmup_gen)  # graph capture, allocator, autotune
-        runs = [decode_run(engine, prompts, args.gen_len) for _ in range(args.repeats)]
+        runs = {mode: [] for mode in modes}
+        for mode in modes:  # graph capture, allocator, autotune
+            engine.is_overlapped = mode
+            decode_run(engine, prompts, args.warmup_gen)
+        for _ in range(args.repeats):
+            for mode in modes:
+                engine.is_overlapped = mode
+                runs[mode].append(decode_run(engine, prompts, args.gen_len))
         context = args.prompt_len + args.gen_len / 2
         top = roofline(engine, batch, context, args.bandwidth)
-        tok_s = statistics.median(runs)
-        print(json.dumps(dict(label=args.label, geometry=args.geometry, batch=batch,
-                              decode_tok_s=round(tok_s, 1), runs=[round(r, 1) for r in runs],
-                              roofline_tok_s=round(top, 1), roofline_frac=round(tok_s / top, 3),
-                              graphs=graphs, load_s=round(load_s, 1),
-                              gpu=torch.cuda.get_device_name())), flush=True)  # fmt: skip
+        medians = {mode: statistics.median(r) for mode, r in runs.items()}
+        for mode in modes:
+            tok_s = medians[mode]
+            step_ms[batch, mode] = batch / tok_s * 1e3
+            extra = {}
+            if len(modes) == 2 and mode:
+                extra = dict(overlap_over_sync=round(tok_s / medians[False], 3))
+            print(json.dumps(dict(label=args.label, geometry=args.geometry, batch=batch,
+                                  async_scheduling=mode, decode_tok_s=round(tok_s, 1),
+                                  runs=[round(r, 1) for r in runs[mode]],
+                                  roofline_tok_s=round(top, 1), roofline_frac=round(tok_s / top, 3),
+                                  graphs=graphs, load_s=round(load_s, 1),
+                                  quantization=args.quantization,
+                                  fp8_weight_only_rows=args.fp8_weight_only_rows,
+                                  weights_gib=round(quantized_bytes(engine.runner.model)[0] / 2**30
+                                                    + dense_gib(engine.runner.model), 3),
+                                  allocated_after_load_gib=round(weights_gib, 2),
+                                  peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                                  gpu=torch.cuda.get_device_name(), **extra)), flush=True)  # fmt: skip
     lengths = [int(x) for x in args.new_lengths.split(",") if x]
     if lengths:  # warm the allocator past every length, so only shapes are new
         new_length_prefills(engine, [max(lengths) + 64], vocab)
     for row in new_length_prefills(engine, lengths, vocab) if lengths else []:
         print(json.dumps(dict(label=args.label, geometry=args.geometry, **row)), flush=True)
-    if args.profile_batch:
-        profile_steps(engine, args.profile_batch, args.prompt_len, vocab)
+    for mode in modes if args.profile_batch else []:
+        engine.is_overlapped = mode
+        busy = profile_steps(engine, args.profile_batch, args.prompt_len, vocab,
+                             table=len(modes) == 1)  # fmt: skip
+        step = step_ms.get((args.profile_batch, mode))
+        print(json.dumps(dict(label=args.label, geometry=args.geometry, profile_batch=args.profile_batch,
+                              async_scheduling=mode, gpu_busy_ms=round(busy, 3),
+                              step_ms=step and round(step, 3),
+                              gpu_idle_frac=step and round(1 - busy / step, 3))), flush=True)  # fmt: skip
     if args.profile_new_length:
         profile_new_length(engine, args.profile_new_length, vocab)
 

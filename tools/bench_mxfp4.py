@@ -279,59 +279,71 @@ def sweep(args) -> None:
 
 
 def decode_child(
-    path: str, mode: str, batch: int, prompt_len: int, gen_len: int, device: str
-) -> dict:
+    path: str,
+    mode: str,
+    batches: list[int],
+    prompt_len: int,
+    gen_len: int,
+    device: str,
+    eager: bool,
+) -> list[dict]:
+    """One engine (one mode) decodes every batch size; CUDA graphs unless `eager`."""
     from ops.sampling.params import SamplingParams
     from torch_runner import Engine
 
+    top = max(batches)
     engine = Engine(path, device=device, dtype="bfloat16", load_format="dummy", moe_weights=mode,
-                    max_total_tokens=max(4096, batch * (prompt_len + gen_len) * 2),
-                    max_num_seqs=max(batch, 1), enforce_eager=True)  # fmt: skip
+                    max_total_tokens=max(4096, top * (prompt_len + gen_len) * 2),
+                    max_num_seqs=max(top, 1), enforce_eager=eager,
+                    cuda_graph_max_bs=max(top, 1))  # fmt: skip
+    graphs = getattr(engine.runner, "decode_graphs", None) is not None
     weights_peak = _peak(device)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    results = []
-    for _ in range(2):  # the first round warms up kernels and the allocator
-        rids = {engine.add_request(None, torch.randint(10, 200000, (prompt_len,), generator=gen).tolist(), params)
-                for _ in range(batch)}  # fmt: skip
-        started, t_first = set(), None
-        while engine.has_unfinished():
-            started.update(out.request_id for out in engine.step())
-            if t_first is None and started >= rids:
-                _sync(device)
-                t_first = time.perf_counter()
-        _sync(device)
-        results.append(batch * (gen_len - 1) / (time.perf_counter() - t_first))
-    return {"mode": mode, "batch": batch, "decode_tok_s": results[-1],
-            "weights_peak_gib": weights_peak / 2**30,
-            "peak_gib": _peak(device) / 2**30}  # fmt: skip
+    rows = []
+    for batch in batches:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        results = []
+        for _ in range(2):  # the first round captures graphs, warms kernels and the allocator
+            rids = {engine.add_request(None, torch.randint(10, 200000, (prompt_len,), generator=gen).tolist(), params)
+                    for _ in range(batch)}  # fmt: skip
+            started, t_first = set(), None
+            while engine.has_unfinished():
+                started.update(out.request_id for out in engine.step())
+                if t_first is None and started >= rids:
+                    _sync(device)
+                    t_first = time.perf_counter()
+            _sync(device)
+            results.append(batch * (gen_len - 1) / (time.perf_counter() - t_first))
+        rows.append({"mode": mode, "batch": batch, "decode_tok_s": results[-1], "graphs": graphs,
+                     "weights_peak_gib": weights_peak / 2**30,
+                     "peak_gib": _peak(device) / 2**30})  # fmt: skip
+    return rows
 
 
 def decode(args) -> None:
+    kind = "eager" if args.enforce_eager else "CUDA graphs"
     print(
-        f"gpt-oss-20b geometry, dummy weights, bf16, eager, prompt {args.prompt_len} + {args.gen_len}"
+        f"gpt-oss-20b geometry, dummy weights, bf16, {kind}, prompt {args.prompt_len} + "
+        f"{args.gen_len}; one process per mode and round, modes alternating which goes first"
     )
-    print("| batch | mode | decode tok/s (median) | weights GiB | peak GiB |")
-    print("|---:|---|---:|---:|---:|")
-    for batch in args.batches:
-        runs = {m: [] for m in MODES}
-        for r in range(args.repeats):
-            for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                argv = [
-                    "_decode",
-                    args.dir,
-                    mode,
-                    str(batch),
-                    str(args.prompt_len),
-                    str(args.gen_len),
-                    args.device,
-                ]
-                runs[mode].append(run_child(argv))
+    runs = {m: [] for m in MODES}
+    for r in range(args.repeats):
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+            argv = ["_decode", args.dir, mode, ",".join(map(str, args.batches)),
+                    str(args.prompt_len), str(args.gen_len), args.device,
+                    "1" if args.enforce_eager else "0"]  # fmt: skip
+            runs[mode].append(run_child(argv))
+    print("| batch | mode | decode tok/s (median) | graphs | weights GiB | peak GiB |")
+    print("|---:|---|---:|---|---:|---:|")
+    for i, batch in enumerate(args.batches):
         for mode in MODES:
-            tok_s = statistics.median(x["decode_tok_s"] for x in runs[mode])
-            last = runs[mode][-1]
+            tok_s = statistics.median(rnd[i]["decode_tok_s"] for rnd in runs[mode])
+            last = runs[mode][-1][i]
             print(
-                f"| {batch} | {mode} | {tok_s:.1f} | {last['weights_peak_gib']:.2f} | {last['peak_gib']:.2f} |",
+                f"| {batch} | {mode} | {tok_s:.1f} | {last['graphs']} | "
+                f"{last['weights_peak_gib']:.2f} | {last['peak_gib']:.2f} |",
                 flush=True,
             )
 
@@ -342,7 +354,9 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_decode":
         a = sys.argv[2:]
-        print(json.dumps(decode_child(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), a[5])))
+        batches = [int(b) for b in a[2].split(",")]
+        rows = decode_child(a[0], a[1], batches, int(a[3]), int(a[4]), a[5], a[6] == "1")
+        print(json.dumps(rows))
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -366,6 +380,7 @@ def main() -> None:
     d.add_argument("--prompt-len", type=int, default=32)
     d.add_argument("--gen-len", type=int, default=32)
     d.add_argument("--repeats", type=int, default=1)
+    d.add_argument("--enforce-eager", action="store_true", help="eager decode (default: graphs)")
     args = parser.parse_args()
     if args.cmd == "op" and args.sweep:
         return sweep(args)

@@ -9,12 +9,21 @@ All-reduce time is rank 0's wall time inside `dist.all_reduce` per engine step (
 two, plus the vocab-parallel embedding's), and the logits gather is not in it.
 
     .venv/bin/python tools/bench_tp.py --batches 1,8 --gen-len 32 --repeats 3
+
+`--rss`: peak resident memory per rank instead. It writes a random bf16 checkpoint of a ~317M
+parameter Llama geometry (RSS_GEOMETRY, 634 MB), then loads it at tp 1 and at tp 2 (two ranks
+started with RANK/WORLD_SIZE as torchrun does) and runs one short request; each rank prints its
+own `resource.getrusage` max RSS at exit, with its max RSS before the engine started (Python,
+torch) as the baseline.
+
+    .venv/bin/python tools/bench_tp.py --rss
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -31,6 +40,98 @@ GEOMETRY = dict(
     head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
     tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, torch_dtype="float32",
 )  # fmt: skip
+
+
+RSS_GEOMETRY = {**GEOMETRY, "num_hidden_layers": 16, "intermediate_size": 4096,
+                "torch_dtype": "bfloat16"}  # fmt: skip
+
+
+def write_random_checkpoint(directory: Path) -> int:
+    """RSS_GEOMETRY's tensors, N(0, 0.02) in bf16 (norms 1); returns the bytes written."""
+    from safetensors.torch import save_file
+
+    from models.loader import _hf_config
+    from models.registry import get_family
+
+    (directory / "config.json").write_text(json.dumps(RSS_GEOMETRY))
+    family = get_family("llama")
+    with torch.device("meta"):
+        model = family.Model(family.ModelArgs.from_hf_config(_hf_config(directory)))
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if "norm" in name:
+            tensors[name] = torch.ones(t.shape, dtype=torch.bfloat16)
+        else:
+            tensors[name] = (torch.randn(t.shape, generator=generator) * 0.02).to(torch.bfloat16)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return sum(t.nbytes for t in tensors.values())
+
+
+def rss_child(directory: str) -> None:
+    """One rank of the --rss run (RANK set: a torchrun-style rank; else tp 1)."""
+    import atexit
+    import resource
+    import sys
+
+    def max_rss_mb() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(default_model_path())  # what any engine loads besides weights
+    AutoConfig.from_pretrained(directory)
+    base = max_rss_mb()
+    rank = int(os.environ.get("RANK", 0))
+    atexit.register(lambda: print(json.dumps({"rank": rank, "base_mb": base,
+                                              "peak_mb": max_rss_mb()}), flush=True))  # fmt: skip
+    size = int(os.environ.get("WORLD_SIZE", 1))
+    engine = Engine(directory, device="cpu", dtype="auto", max_total_tokens=256,
+                    tokenizer=str(default_model_path()), tensor_parallel_size=size)  # fmt: skip
+    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0))
+    engine.close()
+    sys.exit(0)
+
+
+def rss_run(threads: int, repeats: int) -> None:
+    import subprocess
+    import sys
+
+    from torch_runner.distributed.group import free_port
+
+    directory = Path(tempfile.mkdtemp(prefix="bench_tp_rss_"))
+    # written by a child: a process starts with its parent's max RSS (Linux keeps it over exec)
+    written = subprocess.run([sys.executable, __file__, "--rss-write", str(directory)],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    nbytes = int(written.stdout.split()[-1])
+    print(f"bench_tp --rss: random llama, {nbytes / 2**20:.0f} MiB of bf16 weights")
+    base_env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    runs: dict[tuple[int, int], list[dict]] = {}
+    for size in (1, 2) * repeats:
+        env = dict(base_env)
+        if size > 1:
+            env |= {"WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(free_port())}  # fmt: skip
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--rss-child", str(directory)],
+                env=env | ({"RANK": str(r), "LOCAL_RANK": str(r)} if size > 1 else {}),
+                stdout=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for r in range(size)
+        ]
+        for proc in procs:
+            out, _ = proc.communicate(timeout=600)
+            report = json.loads(out.strip().splitlines()[-1])
+            runs.setdefault((size, report["rank"]), []).append(report)
+    weights_mb = nbytes / 2**20
+    for (size, rank), reports in sorted(runs.items()):
+        peak = statistics.median(r["peak_mb"] for r in reports)
+        base = statistics.median(r["base_mb"] for r in reports)
+        print(f"tp {size} rank {rank}: max RSS {peak:.0f} MiB (before loading {base:.0f} MiB; "
+              f"+{peak - base:.0f} MiB = {(peak - base) / weights_mb:.2f} x the weights), "
+              f"median of {len(reports)}")  # fmt: skip
 
 
 class StepCounter:
@@ -72,7 +173,16 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds (median)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads in all")
+    parser.add_argument("--rss", action="store_true", help="peak RSS per rank, tp 1 vs 2")
+    parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    parser.add_argument("--rss-write", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rss_write:
+        return print(write_random_checkpoint(Path(args.rss_write)))
+    if args.rss_child:
+        return rss_child(args.rss_child)
+    if args.rss:
+        return rss_run(max(1, args.threads // 2), args.repeats)
     directory = Path(tempfile.mkdtemp(prefix="bench_tp_"))
     (directory / "config.json").write_text(json.dumps(GEOMETRY))
     common = dict(device="cpu", dtype="float32", load_format="dummy", max_total_tokens=8192,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 ALLOWED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALLOWED_WEIGHT_PACKING = ("auto", "off")
 ALLOWED_MOE_WEIGHTS = ("packed", "dequantized")  # models.loader.MOE_WEIGHTS
-ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4")  # models.quantize.QUANTIZATIONS
+ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4", "fp8")  # models.quantize.QUANTIZATIONS
 ALLOWED_SWA_KV = ("auto", "windowed", "paged")
 
 
@@ -51,7 +51,7 @@ class EngineConfig:
     enable_deterministic_inference: bool = False
     load_format: str = "safetensors"
     max_waiting: int = 1024
-    max_cached_windows: int = 64  # SWA prefix-cache window snapshots kept (LRU)
+    max_cached_windows: int = 64  # SWA prefix payloads kept: this many windows of tokens (LRU)
     weight_packing: str = "auto"  # auto: oneDNN-packed matmul weights on CPU; off: dense
     moe_weights: str = "packed"  # MXFP4 experts as on disk; "dequantized": expanded at load
     quantization: str = "auto"  # auto: the checkpoint's (GGUF Q4 -> int4, Q8_0 -> int8), else none
@@ -64,6 +64,11 @@ class EngineConfig:
     # a collective may wait for a rank before the step fails (a dead or hung rank)
     tensor_parallel_size: int = 1
     dist_timeout: int = 120
+    # overlapped scheduling (engine_step.py): step N+1 is launched while step N runs and the host
+    # reads step N back meanwhile. None = auto: on for CUDA, off on CPU / MPS and tensor parallel
+    async_scheduling: bool | None = None
+    # MoE under tensor parallel: whole experts per rank (E/N each) instead of 1/N of every expert
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):  # pathlib.Path is as good as a string
@@ -94,11 +99,27 @@ class EngineConfig:
         _require_int("cuda_graph_max_bs", self.cuda_graph_max_bs, 1)
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _require_int("dist_timeout", self.dist_timeout, 1)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(
+                f"enable_expert_parallel={self.enable_expert_parallel!r} is invalid; "
+                "allowed values: True, False"
+            )
         if self.tensor_parallel_size > 1 and self.swa_kv == "windowed":
             raise ValueError(
                 f"swa_kv='windowed' is invalid with tensor_parallel_size="
                 f"{self.tensor_parallel_size}; allowed values: auto, paged (the workers keep "
                 "sliding-window KV in the paged pool)"
+            )
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling={self.async_scheduling!r} is invalid; expected true, false "
+                "or None (auto)"
+            )
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"async_scheduling=True is invalid with tensor_parallel_size="
+                f"{self.tensor_parallel_size}; allowed values: false, None (the workers take "
+                "each step's token ids from rank 0's host, so steps cannot be chained)"
             )
         if self.weight_packing not in ALLOWED_WEIGHT_PACKING:
             raise ValueError(

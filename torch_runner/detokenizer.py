@@ -23,12 +23,20 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # a fast tokenizer with no space clean-up decodes exactly as its Rust backend does; the
+        # backend directly skips transformers' per-call argument conversion (~60% of a decode)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = None
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            self._backend = backend
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int) -> str:

@@ -18,25 +18,19 @@ from models.hub import resolve_model
 from ops.sampling.params import SamplingParams
 from torch_runner.config import EngineConfig
 from torch_runner.distributed.launch import start_tensor_parallel
+from torch_runner.engine_step import NON_FINITE_MESSAGE, EngineSteps
 from torch_runner.kv.block_manager import BlockManager
 from torch_runner.kv.radix_cache import RadixCache
+from torch_runner.kv.windows import free_behind_window, payload_cap
 from torch_runner.outputs import RequestOutput
 from torch_runner.request_state import RequestState
-from torch_runner.runner.model_runner import (
-    NON_FINITE_TOKEN,
-    ModelRunner,
-    available_memory_bytes,
-)
+from torch_runner.runner.model_runner import ModelRunner, available_memory_bytes
 from torch_runner.scheduler import Scheduler
 from torch_runner.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-NON_FINITE_MESSAGE = (
-    "the model produced non-finite logits (NaN or inf) for this request; it was ended. "
-    "Try another dtype (float16 overflows where bfloat16 or float32 does not)"
-)
 
 
 def _load_tokenizer(auto_tokenizer, path: str):
@@ -49,8 +43,12 @@ def _load_tokenizer(auto_tokenizer, path: str):
         ) from exc
 
 
-class Engine:
-    """Continuous-batching generation over one model (see docs/engine.md)."""
+__all__ = ["NON_FINITE_MESSAGE", "Engine"]
+
+
+class Engine(EngineSteps):
+    """Continuous-batching generation over one model (see docs/engine.md); `step` and the
+    overlapped scheduling live in engine_step.py."""
 
     def __init__(
         self, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs: Any
@@ -128,8 +126,16 @@ class Engine:
         self.runner = ModelRunner(loaded, config, num_blocks, self.device, self.dtype, sorted(eos),
                                   tensor_parallel=tp and tp.plan)  # fmt: skip
         self.block_manager = BlockManager(num_blocks, config.block_size)
+        # a match must find the window before its end held: in payloads (windowed SWA caches)
+        # or in blocks (paged, with the blocks behind the window given back); kv/radix_cache.py
+        layout = self.runner.layout
+        window = layout.window if layout.has_swa or layout.frees_behind_window else None
         self.prefix_cache = (
-            RadixCache(self.block_manager, config.max_cached_windows)
+            RadixCache(
+                self.block_manager,
+                payload_cap(config.max_cached_windows, window, config.block_size),
+                window,
+            )
             if config.enable_prefix_caching
             else None
         )
@@ -145,7 +151,14 @@ class Engine:
             is_chunked_prefill=config.is_chunked_prefill,
             prefix_cache=self.prefix_cache,
             need_payload=self.runner.layout.has_swa,
+            max_model_len=self.max_model_len,
         )
+        # overlapped scheduling (engine_step.py): "auto" = on CUDA, off elsewhere and under
+        # tensor parallel (the workers get each step's token ids from rank 0's host)
+        self.is_overlapped = config.async_scheduling is True or (
+            config.async_scheduling is None and self.device.type == "cuda" and tp is None
+        )
+        self._inflight = None
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._grammar_masker = None
@@ -237,16 +250,6 @@ class Engine:
             spec.kind, spec.spec, stop_token_ids=self.eos_token_ids
         )
 
-    def _grammar_rows(self, chunks):
-        grammars = [self.requests[c.seq.request_id].grammar for c in chunks]
-        if all(g is None for g in grammars):
-            return None
-        if self._grammar_masker is None:
-            from torch_runner.grammar.masks import GrammarMasker
-
-            self._grammar_masker = GrammarMasker(self.vocab_size, self.device)
-        return self._grammar_masker.build_edit_rows(grammars)
-
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.requests.pop(request_id, None)
         if state is None:
@@ -255,54 +258,38 @@ class Engine:
         self.runner.free(request_id)
         return state.make_output()
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+    def _publish_prefixes(self, chunks) -> None:
+        """Chunks that complete a block publish their blocks, so concurrent and later requests
+        hit at any block boundary. Windowed SWA models publish decode blocks too, with their
+        window payloads, while the ring still holds them (kv/windows.py); pool-only models
+        publish prompt chunks (the finish publishes the rest: the pool still holds it)."""
+        if self.prefix_cache is None:
+            return
+        bs, has_windows = self.config.block_size, self.runner.layout.has_swa
+        for chunk in chunks:
+            # a chained chunk's input token is still on the device (overlapped scheduling): the
+            # block it completes is published with the next chunk, when that token is known
+            lag = 1 if chunk.is_chained else 0
+            if (chunk.end - lag) // bs > (chunk.start - lag) // bs and (
+                has_windows or chunk.start < chunk.seq.num_prompt_tokens
+            ):
+                self.scheduler.cache_prefix(chunk.seq, self._payload(chunk.seq))
 
-    # ---- the step ---------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run, postprocess; returns an output for every request that progressed."""
-        out = self.scheduler.schedule()
-        for seq in out.preempted:
-            self.runner.free(seq.request_id)
-        if out.is_empty:
-            return []
-        if self.tensor_parallel is not None:  # the workers run the same step from its inputs
-            self.tensor_parallel.check_alive()
-            self.tensor_parallel.send_step(out.chunks)
-        result = self.runner.execute(out.chunks, self._grammar_rows)
-        self.scheduler.advance(out)
-        if self.prefix_cache is not None:
-            # every prompt chunk publishes its blocks (SWA models: with a window snapshot), so
-            # concurrent and later requests can hit at chunk granularity
-            for chunk in out.chunks:
-                if (
-                    chunk.start < chunk.seq.num_prompt_tokens
-                    and chunk.end >= self.config.block_size
-                ):
-                    self.scheduler.cache_prefix(chunk.seq, self._payload(chunk.seq))
-        outputs = []
-        for i, (rid, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
-            state = self.requests[rid]
-            if token_id == NON_FINITE_TOKEN:  # only this request ends; its batchmates go on
-                finish = state.fail(NON_FINITE_MESSAGE)
-                self.num_non_finite += 1
-            else:
-                logprob = result.logprobs[i] if result.logprobs is not None else None
-                top = result.top_logprobs[i] if result.top_logprobs is not None else None
-                finish = state.append(token_id, logprob, top)
-                self.num_generated_tokens += 1
-            if finish is not None:
-                self.scheduler.finish(state.seq, finish[0], finish[1], self._payload(state.seq))
-                self.runner.free(rid)
-                del self.requests[rid]
-            outputs.append(state.make_output())
-        return outputs
+    def _free_behind_window(self, chunks) -> None:
+        """Paged models whose every layer is windowed give back the blocks no query can read
+        again (after publishing them: the prefix cache keeps what it cached; kv/windows.py)."""
+        layout = self.runner.layout
+        if layout.frees_behind_window:
+            for chunk in chunks:
+                seq = chunk.seq
+                free_behind_window(self.block_manager, seq.block_table, seq.num_computed_tokens,
+                                   layout.window)  # fmt: skip
 
     def _payload(self, seq: Sequence):
+        """The prefix cache's per-block window payloads of `seq` (None: no windowed layers)."""
         if not self.runner.layout.has_swa or self.prefix_cache is None:
             return None
-        end = (seq.num_computed_tokens // self.config.block_size) * self.config.block_size
-        return self.runner.snapshot_windows(seq.request_id, end) if end else None
+        return self.runner.snapshot_windows(seq.request_id)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at size 1); idempotent."""

@@ -24,7 +24,10 @@ from torch_runner.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledChunk:
-    """`num_tokens` tokens of `seq` starting at position `start` run in this step."""
+    """`num_tokens` tokens of `seq` starting at position `start` run in this step.
+
+    A chunk that starts at `seq.num_tokens` is *chained*: its one input token is an output
+    placeholder, sampled by the step still running, which the runner reads on the device."""
 
     seq: Sequence
     start: int
@@ -33,11 +36,15 @@ class ScheduledChunk:
     is_sampled: bool = field(init=False)  # reaches the last token: the step samples the next
 
     def __post_init__(self) -> None:
-        self.is_sampled = self.end == self.seq.num_tokens
+        self.is_sampled = self.end == self.seq.num_scheduled_tokens
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def is_chained(self) -> bool:
+        return self.start >= self.seq.num_tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -70,6 +77,7 @@ class Scheduler:
         is_chunked_prefill: bool = True,
         prefix_cache: RadixCache | None = None,
         need_payload: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -78,6 +86,7 @@ class Scheduler:
         self.is_chunked_prefill = is_chunked_prefill
         self.prefix_cache = prefix_cache
         self.need_payload = need_payload
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -128,7 +137,9 @@ class Scheduler:
         """Insert the full blocks computed so far into the prefix cache (no release)."""
         if self.prefix_cache is None:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # only known tokens key the tree: an overlapped step's placeholder input is not yet
+        num_known = min(seq.num_computed_tokens, seq.num_tokens)
+        num_full = min(num_known // self.block_size, len(seq.block_table))
         if num_full:
             self.prefix_cache.insert(
                 seq.token_slice(0, num_full * self.block_size), seq.block_table[:num_full], payload
@@ -170,7 +181,7 @@ class Scheduler:
         return True
 
     def _chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
-        pending = seq.num_tokens - start
+        pending = seq.num_scheduled_tokens - start
         if not self.is_chunked_prefill or pending <= budget:
             return pending
         end = ((start + budget) // self.block_size) * self.block_size
@@ -180,9 +191,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
-        i = 0
+        i = num_ending = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._ends_at_placeholder(seq):  # no wasted slot: it finishes when read back
+                i += 1
+                num_ending += 1
+                continue
             start = seq.num_computed_tokens
             if not self.is_chunked_prefill and seq.num_pending_tokens > budget and out.chunks:
                 i += 1
@@ -200,12 +215,28 @@ class Scheduler:
             budget -= num_new
             i += 1
         if not out.preempted:
-            self._admit(out, budget)
+            # sequences ending at their placeholder leave their slot now, as they would have
+            # had their token been read before this step (the synchronous engine's admissions)
+            num_ending += sum(map(self._ends_at_placeholder, self.running[i:]))
+            self._admit(out, budget, len(self.running) - num_ending)
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+    def _ends_at_placeholder(self, seq: Sequence) -> bool:
+        """True when the token in flight surely ends `seq` by length (max_tokens or the
+        context), so an overlapped step need not give it a slot it would waste."""
+        if not seq.num_output_placeholders:
+            return False
+        max_tokens = getattr(seq.params, "max_tokens", None)
+        num_outputs = seq.num_output_tokens + seq.num_output_placeholders
+        if max_tokens is not None and num_outputs >= max_tokens:
+            return True
+        return self.max_model_len is not None and seq.num_scheduled_tokens >= self.max_model_len
+
+    def _admit(self, out: SchedulerOutput, budget: int, num_active: int) -> None:
+        while self.waiting and num_active < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            if seq.num_output_placeholders:  # preempted with a token in flight: admit it known
+                break
             if not self.is_chunked_prefill and seq.num_tokens > budget and out.chunks:
                 break
             blocks, payload = [], None
@@ -229,6 +260,7 @@ class Scheduler:
                 seq.is_admitted_before = True
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_active += 1
             num_new = self._chunk_size(seq, seq.num_computed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new, payload))
             budget -= num_new

@@ -36,6 +36,9 @@ class Sequence:
         self.arrival = next(_arrival)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # tokens sampled by launched steps but not read back yet (overlapped steps, 0 or 1):
+        # the scheduler counts them, so the next step can be launched before they are known
+        self.num_output_placeholders = 0
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
         self.is_admitted_before = False
@@ -60,9 +63,16 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the scheduler plans with: the known ones plus the output placeholders."""
+        return (
+            len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+        )
+
+    @property
     def num_pending_tokens(self) -> int:
         """Tokens whose KV is still to be computed (1 for a sequence in decode)."""
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_scheduled_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

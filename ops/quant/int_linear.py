@@ -106,10 +106,16 @@ class Int4Weight(QuantizedLinearWeight):
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """A dense [N, K] weight -> per-channel symmetric int8 (scales in the weight's dtype)."""
+def quantize_int8(weight: torch.Tensor, reduce_amax=None) -> Int8Weight:
+    """A dense [N, K] weight -> per-channel symmetric int8 (scales in the weight's dtype).
+
+    reduce_amax: [N] row maxima of this part -> of the whole row (a row-parallel tensor-parallel
+    shard holds K/n columns; its scales must be the full row's, as at one rank)."""
     w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+    amax = w.abs().amax(dim=1)
+    if reduce_amax is not None:
+        amax = reduce_amax(amax)
+    scales = (amax / 127).clamp(min=1e-12)  # [N]
     q = torch.round(w / scales[:, None]).clamp_(-128, 127).to(torch.int8)
     return Int8Weight(q.contiguous(), scales.to(weight.dtype))
 

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ops.routing import route_groups
+from ops.fused import kernels_for
+from ops.linear import linear
+from ops.routing import local_experts, route_groups
 
 # FP4 E2M1 code -> value: bit 3 is the sign, bits 0-2 index (0, 0.5, 1, 1.5, 2, 3, 4, 6).
 FP4_E2M1_VALUES = (
@@ -154,6 +156,7 @@ def moe_gpt_oss_mxfp4(
     top_k: int,
     limit: float = 7.0,
     alpha: float = 1.702,
+    expert_start: int = 0,
 ) -> torch.Tensor:
     """ops.moe.moe_gpt_oss over packed experts: gate_up [E, 2I, H/32, 16], down [E, H, I/32, 16].
 
@@ -164,9 +167,12 @@ def moe_gpt_oss_mxfp4(
             f"moe_gpt_oss: packed experts are [{gate_up_proj.out_features}, {gate_up_proj.in_features}] "
             f"and [{down_proj.out_features}, {down_proj.in_features}]; x has hidden size {x.shape[-1]}"
         )
-    logits = F.linear(x, router_weight, router_bias)  # [T, E]
+    logits = linear(x, router_weight, router_bias)  # [T, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
     scores = torch.softmax(top_val, dim=-1)
+    num_local = gate_up_proj.num_experts
+    if num_local != router_weight.shape[0]:  # expert parallel (ops.routing.local_experts)
+        top_idx, scores = local_experts(top_idx, scores, expert_start, num_local)
     if x.device.type == "cuda":
         from ops.quant.mxfp4_triton import moe_experts_mxfp4
 
@@ -175,7 +181,7 @@ def moe_gpt_oss_mxfp4(
         )  # [T, k, H]
         return (y * scores[..., None]).sum(dim=1).to(x.dtype)
     out = torch.zeros_like(x)
-    for expert, rows, slots in route_groups(top_idx, router_weight.shape[0]):
+    for expert, rows, slots in route_groups(top_idx, num_local):
         h = expert_linear(x[rows], gate_up_proj, expert, gate_up_proj_bias[expert])  # [t, 2I]
         h = swiglu(h, limit, alpha)  # [t, I]
         y = expert_linear(h, down_proj, expert, down_proj_bias[expert])  # [t, H]
@@ -185,6 +191,9 @@ def moe_gpt_oss_mxfp4(
 
 def swiglu(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """gpt-oss's clamped SwiGLU over interleaved gate/up columns: [t, 2I] -> [t, I]."""
+    kernels = kernels_for(h)  # one Triton kernel on CUDA (ops/fused), the same values
+    if kernels is not None:
+        return kernels.clamped_swiglu(h, limit, alpha)
     gate = h[:, ::2].clamp(max=limit)
     up = h[:, 1::2].clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -19,6 +19,16 @@ MAX_BOUNDED_TOP_K = 1024  # filtering works on [B, K] candidates when every row'
 DEFAULT_DETERMINISTIC_SEED = 42
 
 
+def _tensor(values, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(values, device=device)` without blocking the host on CUDA: a copy from
+    pageable memory waits for the work queued before it (with overlapped scheduling, the
+    whole forward in flight); from pinned memory it is queued like a kernel."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class RowGroup:
     """Rows that take one sampling path. `rows` None means every row of the batch, in order."""
@@ -119,7 +129,7 @@ class SamplingBatch:
         temperatures = None
         if not is_all_greedy:
             temps = [1.0 if p.is_greedy else p.temperature for p in params]
-            temperatures = torch.tensor(temps, dtype=torch.float32, device=device)
+            temperatures = _tensor(temps, dtype=torch.float32, device=device)
         return cls(
             num_rows=num_rows,
             vocab_size=vocab_size,
@@ -142,15 +152,15 @@ def _group(
 ) -> RowGroup | None:
     if not rows:
         return None
-    index = None if len(rows) == num_rows else torch.tensor(rows, dtype=torch.int64, device=device)
+    index = None if len(rows) == num_rows else _tensor(rows, dtype=torch.int64, device=device)
     row_seeds = [None] * len(rows) if seeds is None else [seeds[i] for i in rows]
     flags = [s is not None for s in row_seeds]
     seed_tensor = flag_tensor = None
     if any(flags):
         values = [to_signed64(s) if s is not None else 0 for s in row_seeds]
-        seed_tensor = torch.tensor(values, dtype=torch.int64, device=device)
+        seed_tensor = _tensor(values, dtype=torch.int64, device=device)
         if not all(flags):
-            flag_tensor = torch.tensor(flags, dtype=torch.bool, device=device)
+            flag_tensor = _tensor(flags, dtype=torch.bool, device=device)
     return RowGroup(index, len(rows), seed_tensor, flag_tensor, all(flags))
 
 
@@ -160,9 +170,9 @@ def _filter_params(params: list[SamplingParams], vocab_size: int, device) -> Fil
     top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
     bounded = all(p.top_k != -1 and p.top_k <= MAX_BOUNDED_TOP_K for p in params)
     return FilterParams(
-        top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+        top_ks=_tensor(top_ks, dtype=torch.int64, device=device),
+        top_ps=_tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        min_ps=_tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         width=max(top_ks) if bounded else vocab_size,
         needs_mass=any(p.top_p < 1.0 for p in params),
     )
@@ -176,7 +186,7 @@ def _flat_index(
     flat = [
         r * vocab_size + t for r in rows for ids in id_lists for t in ids[r] if 0 <= t < vocab_size
     ]
-    return torch.tensor(flat, dtype=torch.int64, device=device)
+    return _tensor(flat, dtype=torch.int64, device=device)
 
 
 def _penalties(params, prompt_ids, output_ids, vocab_size: int, device) -> Penalties | None:
@@ -187,7 +197,7 @@ def _penalties(params, prompt_ids, output_ids, vocab_size: int, device) -> Penal
         return None
     repetition = seen = presence = frequency = counts = None
     if uses_repetition:
-        repetition = torch.tensor(
+        repetition = _tensor(
             [p.repetition_penalty for p in params], dtype=torch.float32, device=device
         )
         seen = torch.zeros(num_rows * vocab_size, dtype=torch.bool, device=device)
@@ -198,10 +208,8 @@ def _penalties(params, prompt_ids, output_ids, vocab_size: int, device) -> Penal
         ] = True
         seen = seen.view(num_rows, vocab_size)
     if uses_counts:
-        presence = torch.tensor(
-            [p.presence_penalty for p in params], dtype=torch.float32, device=device
-        )
-        frequency = torch.tensor(
+        presence = _tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
+        frequency = _tensor(
             [p.frequency_penalty for p in params], dtype=torch.float32, device=device
         )
         index = _flat_index(uses_counts, output_ids, vocab_size=vocab_size, device=device)
@@ -237,8 +245,8 @@ def _logit_edits(
         return None
     edits = torch.zeros(len(params) * vocab_size, dtype=torch.float32, device=device)
     if flat:
-        index = torch.tensor(flat, dtype=torch.int64, device=device)
-        edits.index_add_(0, index, torch.tensor(values, dtype=torch.float32, device=device))
+        index = _tensor(flat, dtype=torch.int64, device=device)
+        edits.index_add_(0, index, _tensor(values, dtype=torch.float32, device=device))
     edits = edits.view(len(params), vocab_size)
     if has_rows:
         for i, row in enumerate(edit_rows):

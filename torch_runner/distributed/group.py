@@ -70,6 +70,14 @@ class TPGroup:
             raise RankFailure(f"all-reduce failed at rank {self.rank}: {exc}", self) from exc
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of `x` over the ranks, in place (load time: int8 row scales)."""
+        try:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        except Exception as exc:
+            raise RankFailure(f"all-reduce (max) failed at rank {self.rank}: {exc}", self) from exc
+        return x
+
     def _timed_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import time
 

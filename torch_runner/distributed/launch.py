@@ -17,8 +17,9 @@ import torch
 
 from bridge import resolve_device
 from models.loader import read_config
+from torch_runner.distributed.checks import check_int4_shards, check_moe_shards, check_shardable
 from torch_runner.distributed.group import STOP, RankFailure, TPGroup, free_port, torchrun_env
-from torch_runner.distributed.shard import ShardPlan, check_shardable
+from torch_runner.distributed.shard import ShardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -38,25 +39,21 @@ def check_launch(config, path: str) -> None:
     """Every bad combination, in one line, before a process starts or a weight is read."""
     from pathlib import Path
 
+    from models.gguf_loader import find_gguf, sidecar_folder
+
     size = config.tensor_parallel_size
-    if not (Path(path) / "config.json").is_file():
+    gguf = find_gguf(Path(path).expanduser())
+    folder = sidecar_folder(gguf) if gguf is not None else Path(path)
+    if not (folder / "config.json").is_file():
         raise ValueError(
-            f"tensor_parallel_size={size} needs a safetensors model folder; {path!r} is not one "
-            "(GGUF files do not shard yet)"
+            f"tensor_parallel_size={size} needs a safetensors model folder or a GGUF file; "
+            f"{path!r} is neither"
         )
-    if config.quantization not in ("auto", "none"):
-        raise ValueError(
-            f"quantization={config.quantization!r} is not supported with tensor_parallel_size="
-            f"{size} yet; allowed values: auto, none"
-        )
-    raw = read_config(Path(path))
-    method = (raw.get("quantization_config") or {}).get("quant_method")
-    if method == "mxfp4" and config.moe_weights == "packed":
-        raise ValueError(
-            f"moe_weights='packed' is not supported with tensor_parallel_size={size} yet (MXFP4 "
-            "experts shard once dequantized); allowed values: dequantized"
-        )
+    raw = read_config(folder)
     check_shardable(raw, size)
+    check_moe_shards(raw, size, config.enable_expert_parallel, config.moe_weights)
+    if config.quantization == "int4":
+        check_int4_shards(raw, size)
     if resolve_device(config.device).type == "cuda" and torchrun_env() is None:
         count = torch.cuda.device_count()
         if size > count:
@@ -112,6 +109,7 @@ class TensorParallel:
             proc.join(timeout=wait)
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=5)  # reaped: is_alive() is False once close() returns
         self.group.close()
 
 
@@ -147,7 +145,9 @@ def start_tensor_parallel(config, path: str) -> TensorParallel | None:
         for proc in processes:
             proc.kill()
         raise
-    return TensorParallel(group, ShardPlan(0, size, group), processes)
+    return TensorParallel(
+        group, ShardPlan(0, size, group, expert_parallel=config.enable_expert_parallel), processes
+    )
 
 
 def _spawn_workers(config, path: str, size: int, init: str) -> list:

@@ -5,13 +5,16 @@ column-parallel (each rank its heads / its slice of the intermediate), o_proj an
 row-parallel with one all-reduce on the attention block's and the MLP's output (forward hooks,
 so the family files stay unchanged), the embedding and lm_head are vocab-parallel (the
 embedding sums the ranks' rows; logits are gathered by the runner). When there are fewer KV
-heads than ranks each rank keeps the one KV head its query heads read (replicated). The plan
-then maps every checkpoint tensor name to this rank's slice (`shard_tensor`), so a rank copies
-only its part of the memory-mapped checkpoint. Row-parallel biases live on rank 0 only.
+heads than ranks each rank keeps the one KV head its query heads read (replicated). MoE
+experts: experts.py. The plan then maps every checkpoint tensor name to this rank's slice
+(`shard_tensor`); slice_read.py reads a one-dimension slice alone from the file. Row-parallel
+biases live on rank 0 only. Packed weights stay packed per rank: int8 row-parallel scales are the
+whole row's (`int8_amax`), a GGUF's Q4 blocks are cut like their weight (`shard_int4_sources`).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,34 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import gpt_oss, qwen3_moe
 from models.layers import Attention, CausalLM, GatedMLP
-
-# Gemma's scaled embedding and GGUF/packed checkpoints: not yet
-SHARDABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
-
-
-def check_shardable(raw_config: dict, size: int) -> None:
-    """One clear error before loading for a family or a geometry that cannot split `size` ways."""
-    model_type = raw_config.get("model_type")
-    if model_type not in SHARDABLE_FAMILIES:
-        raise ValueError(
-            f"tensor_parallel_size={size} is not supported for model_type {model_type!r}; "
-            f"supported families: {', '.join(SHARDABLE_FAMILIES)}"
-        )
-    heads = raw_config.get("num_attention_heads")
-    kv_heads = raw_config.get("num_key_value_heads", heads)
-    if not heads or heads % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads ({heads})")
-    if kv_heads % size and size % kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size={size} must divide num_key_value_heads ({kv_heads}) "
-            "or be a multiple of it"
-        )
-    for name in ("intermediate_size", "moe_intermediate_size"):
-        value = raw_config.get(name)
-        if (name == "intermediate_size" or value is not None) and (not value or value % size):
-            raise ValueError(f"tensor_parallel_size={size} must divide {name} ({value})")
+from torch_runner.distributed.experts import MOE_MODULES, narrow, rename_raw, shard_experts
+from torch_runner.distributed.slice_read import read_shard
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -80,6 +58,17 @@ class ShardPlan:
         default_factory=dict
     )
     num_kv_heads: int = 0  # this rank's KV heads (the paged pool's geometry)
+    row_parallel: set[str] = field(default_factory=set)  # linears split along their input
+    expert_parallel: bool = False  # MoE: whole experts per rank (experts.py)
+    num_local_experts: int = 0  # expert parallel: this rank's experts
+    raw_renames: dict[str, str | None] = field(default_factory=dict)  # per-expert names (EP)
+    presliced: set[str] = field(default_factory=set)  # read as this rank's part (slice_read)
+
+    def int8_amax(self, name: str):
+        """For int8 quantization (models/quantize.py): a row-parallel weight's per-row maxima
+        are the whole row's (max over the ranks), so every rank's scales are the one-rank
+        model's and its int8 codes are that model's codes, columns sliced."""
+        return self.group.all_reduce_max if name in self.row_parallel else None
 
     def prepare(self, model: CausalLM) -> None:
         """Rewrite the meta model to this rank's shapes and install the all-reduce hooks."""
@@ -88,8 +77,9 @@ class ShardPlan:
                 self._shard_attention(name, module)
             elif isinstance(module, GatedMLP):
                 self._shard_mlp(name, module)
-            elif isinstance(module, qwen3_moe.SparseMoeBlock | gpt_oss.MoE):
-                self._shard_experts(name, module)
+            elif isinstance(module, MOE_MODULES):
+                shard_experts(self, name, module)
+                module.register_forward_hook(self._reduce_output)
         self._shard_vocab(model)
 
     def _column(self, prefix: str, linear: nn.Linear, start: int, size: int) -> nn.Linear:
@@ -102,6 +92,7 @@ class ShardPlan:
     def _row(self, prefix: str, linear: nn.Linear, start: int, size: int) -> nn.Linear:
         new = nn.Linear(size, linear.out_features, bias=linear.bias is not None, device="meta")
         self.slices[f"{prefix}.weight"] = narrow(1, start, size)
+        self.row_parallel.add(prefix)
         if linear.bias is not None:
             self.rank0_only.add(f"{prefix}.bias")  # added once, by rank 0, before the sum
         return new
@@ -132,44 +123,6 @@ class ShardPlan:
         mlp.down_proj = self._row(f"{name}.down_proj", mlp.down_proj, start, size)
         mlp.register_forward_hook(self._reduce_output)
 
-    def _shard_experts(self, name: str, moe: nn.Module) -> None:
-        """MoE split within every expert (each rank: all experts, 1/N of their intermediate);
-        the router is replicated, so every rank routes each token to the same experts."""
-        ex, prefix = moe.experts, f"{name}.experts"
-        if getattr(ex, "is_packed", False):  # launch.check_launch refuses these first
-            raise ValueError("packed MXFP4 experts do not shard yet; load them dequantized")
-
-        def resize(attr: str, dim: int, factor: float) -> None:
-            shape = list(getattr(ex, attr).shape)
-            shape[dim] = int(shape[dim] * factor)
-            setattr(ex, attr, nn.Parameter(torch.empty(shape, device="meta")))
-
-        if isinstance(moe, qwen3_moe.SparseMoeBlock):  # gate_up [E, 2I, H] (gate, then up)
-            inter = ex.down_proj.shape[2]
-            size = inter // self.size
-            start = self.rank * size
-            self.slices[f"{prefix}.gate_up_proj"] = lambda t: torch.cat(
-                [t.narrow(1, start, size), t.narrow(1, inter + start, size)], dim=1
-            )
-            self.slices[f"{prefix}.down_proj"] = narrow(2, start, size)  # [E, H, I]
-            stacked = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
-            for e in range(ex.down_proj.shape[0]):  # Hub checkpoints: one tensor per expert
-                for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
-                    cut = narrow(dim, start, size)
-                    self.raw_slices[f"{prefix}.{e}.{proj}.weight"] = (cut, stacked)
-            resize("gate_up_proj", 1, 1 / self.size)
-            resize("down_proj", 2, 1 / self.size)
-        else:  # gpt-oss: gate_up [E, H, 2I] interleaved (gate, up) pairs, down [E, I, H]
-            size = ex.down_proj.shape[1] // self.size
-            start = self.rank * size
-            self.slices[f"{prefix}.gate_up_proj"] = narrow(2, 2 * start, 2 * size)
-            self.slices[f"{prefix}.gate_up_proj_bias"] = narrow(1, 2 * start, 2 * size)
-            self.slices[f"{prefix}.down_proj"] = narrow(1, start, size)
-            self.rank0_only.add(f"{prefix}.down_proj_bias")
-            for attr, dim in (("gate_up_proj", 2), ("gate_up_proj_bias", 1), ("down_proj", 1)):
-                resize(attr, dim, 1 / self.size)
-        moe.register_forward_hook(self._reduce_output)
-
     def _shard_vocab(self, model: CausalLM) -> None:
         embed = model.model.embed_tokens
         vocab, hidden = embed.weight.shape
@@ -188,6 +141,15 @@ class ShardPlan:
     def _reduce_output(self, module, inputs, output: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(output)  # row-parallel partial sums -> the full output
 
+    def shard_raw_weights(self, weights: dict[str, torch.Tensor], args):
+        """The checkpoint's tensors before the family's sanitize, cut to this rank's part, and
+        the args sanitize checks them against (expert parallel: this rank's expert count)."""
+        weights = rename_raw(self, {name: self.shard_raw(name, t) for name, t in weights.items()})
+        if self.num_local_experts and hasattr(args, "num_experts"):
+            args = copy.copy(args)
+            args.num_experts = self.num_local_experts
+        return weights, args
+
     def shard_raw(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Checkpoint tensor `name` before sanitize: a per-expert tensor is cut to this rank's
         part here, so the stacked experts are never built whole."""
@@ -203,19 +165,32 @@ class ShardPlan:
         """This rank's part of checkpoint tensor `name` (a copy of the slice only)."""
         if name in self.rank0_only and self.rank != 0:
             return torch.zeros_like(tensor)
-        cut = self.slices.get(name)
+        cut = None if name in self.presliced else self.slices.get(name)
         return tensor if cut is None else cut(tensor).contiguous()
 
+    def shard_int4_sources(self, sources: dict) -> dict:
+        """A GGUF's Q4 (codes [N, K], scales, zeros [N, K/32]) cut like their weight: rows
+        alike; columns at group boundaries (checks.check_int4_shards), scales per group."""
+        out = {}
+        for name, (codes, scales, zeros) in sources.items():
+            spec = getattr(self.slices.get(name), "spec", None)
+            if spec is None:
+                out[name] = (codes, scales, zeros)
+            elif spec[0] == 0:
+                out[name] = tuple(narrow(*spec)(a).contiguous() for a in (codes, scales, zeros))
+            else:
+                _, start, length, _ = spec
+                group = codes.shape[1] // scales.shape[1]
+                if start % group or length % group:
+                    raise ValueError(
+                        f"tensor_parallel_size={self.size}: the {name} shard (columns {start}.."
+                        f"{start + length}) would split the GGUF's {group}-value Q4 blocks"
+                    )
+                per_group = narrow(1, start // group, length // group)
+                out[name] = (narrow(*spec)(codes).contiguous(),
+                             per_group(scales).contiguous(), per_group(zeros).contiguous())  # fmt: skip
+        return out
 
-def narrow(dim: int, start: int, length: int, pad: int = 0):
-    """tensor -> tensor.narrow(dim, start, length), then `pad` zero rows along `dim`."""
-
-    def cut(tensor: torch.Tensor) -> torch.Tensor:
-        part = tensor.narrow(dim, start, length)
-        if not pad:
-            return part
-        shape = list(part.shape)
-        shape[dim] = pad
-        return torch.cat([part, part.new_zeros(shape)], dim=dim)
-
-    return cut
+    def read_checkpoint(self, files) -> dict[str, torch.Tensor]:
+        """The checkpoint with each one-dimension slice read as this rank's part only."""
+        return read_shard(self, files)

@@ -47,7 +47,7 @@ def run_worker(config, path: str, rank: int, size: int, init: str, local_rank: i
 
     device = rank_device(config.device, local_rank)
     group = TPGroup(rank, size, device, init, config.dist_timeout)
-    plan = ShardPlan(rank, size, group)
+    plan = ShardPlan(rank, size, group, expert_parallel=config.enable_expert_parallel)
     try:
         loaded = load_model(path, device=device, dtype=config.dtype,
                             load_format=config.load_format, moe_weights=config.moe_weights,

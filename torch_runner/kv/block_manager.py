@@ -5,11 +5,17 @@ A block may be shared: by several sequences that matched the same cached prefix 
 prefix cache itself. Each holder owns one reference; a block returns to the free list when
 its count drops to zero. Nothing here touches the device: the ModelRunner maps block ids to
 pool rows.
+
+`NO_BLOCK` in a block table marks a block given back because no layer can read it again (every
+layer windowed and the block wholly behind the window, kv/windows.py); references on it are
+no-ops, so tables with holes release and share like any other.
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+NO_BLOCK = -1  # a block-table entry whose block was given back (out of every layer's window)
 
 
 class BlockManager:
@@ -50,11 +56,15 @@ class BlockManager:
         return block_id
 
     def incref(self, block_id: int) -> None:
+        if block_id == NO_BLOCK:
+            return
         if self._refcounts[block_id] <= 0:
             raise RuntimeError(f"block {block_id} is free; cannot add a reference")
         self._refcounts[block_id] += 1
 
     def decref(self, block_id: int) -> None:
+        if block_id == NO_BLOCK:
+            return
         count = self._refcounts[block_id]
         if count <= 0:
             raise RuntimeError(f"block {block_id} is already free (double release)")

@@ -55,6 +55,16 @@ class CacheLayout:
     def has_swa(self) -> bool:
         return bool(self.swa_layers)
 
+    @property
+    def frees_behind_window(self) -> bool:
+        """Pool blocks wholly behind the window can be given back: every layer is windowed and
+        in the pool (a full-attention layer in the same block would still read them)."""
+        return (
+            self.page_windows
+            and self.window is not None
+            and all(t == SLIDING_ATTENTION for t in self.layer_types)
+        )
+
 
 class WindowedKVCache:
     """One request's keys/values for one sliding-window layer (see the module docstring)."""
@@ -111,15 +121,6 @@ class WindowedKVCache:
             is_causal_tail=True,
         )
         return self.keys[:, :, start:end], self.values[:, :, start:end], layout
-
-    def snapshot(self, end_position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Copies of the last `window` keys/values before `end_position`, or None if not held."""
-        want = min(self.window, end_position)
-        first_held = self.offset - self._local
-        if end_position > self.offset or end_position - want < first_held:
-            return None
-        hi = self._local - (self.offset - end_position)
-        return self.keys[:, :, hi - want : hi].clone(), self.values[:, :, hi - want : hi].clone()
 
     @classmethod
     def restore(
@@ -207,8 +208,12 @@ class PagedStepMeta:
         lens = torch.tensor(kv_lens, **as_long)  # [B]
         self.block_tables, self.kv_lens, self.block_size = tables, lens, block_size
         pos = torch.arange(s_max, **as_long)  # [S]
-        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, S]
-        self.gather_slots = slots.masked_fill_(pos >= lens[:, None], pad_slot).view(-1)  # [B * S]
+        pages = tables[:, pos // block_size]  # [B, S]
+        slots = pages * block_size + pos % block_size  # [B, S]
+        # keys past kv_len, and those of blocks given back behind the window (NO_BLOCK < 0),
+        # read the zero pad slot (the window masks them out; garbage there could be NaN)
+        hidden = (pos >= lens[:, None]) | (pages < 0)
+        self.gather_slots = slots.masked_fill_(hidden, pad_slot).view(-1)  # [B * S]
         new = torch.tensor(num_new, **as_long)
         offsets = torch.tensor(starts, **as_long)[:, None] + torch.arange(n, **as_long)  # [B, N]
         write = slots.view(b, s_max).gather(1, offsets.clamp_(max=s_max - 1))  # [B, N]
@@ -226,7 +231,11 @@ class PagedStepMeta:
         table = block_tables[0]
         num_blocks = -(-s_max // block_size)
         self.first_slot = None
-        if b == 1 and all(table[i + 1] == table[i] + 1 for i in range(num_blocks - 1)):
+        if (
+            b == 1
+            and table[0] >= 0  # not a block given back (NO_BLOCK): [-1, 0, 1] is no slice
+            and all(table[i + 1] == table[i] + 1 for i in range(num_blocks - 1))
+        ):
             self.first_slot = table[0] * block_size
         is_tail = len(set(kv_lens)) == 1 and len(set(num_new)) == 1
         self.layout = KeyLayout.contiguous(lens, is_causal_tail=is_tail)

@@ -6,20 +6,30 @@ cached path takes references on those blocks and skips their prefill. Only leave
 nobody else references (count 1: the tree's own) can be evicted, least recently used first;
 evicting a leaf can expose its parent.
 
-Sliding-window (SWA) layers keep no pool KV, so a hit on a model with SWA layers is only exact
-when the SWA caches can be restored too: nodes carry an optional `payload` (the runner's
-snapshot of every SWA layer's last `window` keys/values ending at that node), and such models
-match only up to the deepest node holding one. Payloads are capped (`max_payloads`, LRU)
+Sliding-window (SWA) layers with per-request windows keep no pool KV, so a hit on such a model
+is only exact when its SWA caches can be restored too. Nodes carry an optional `payload`: every
+SWA layer's keys/values of the last min(block_size, window) tokens of the node's own block
+(kv/windows.py makes and joins them). The window ending at a node is then the join of the
+payloads of the last ceil(window / block_size) nodes of its path, so a prefix is reusable at
+any block boundary whose window is covered, and such models match only up to the deepest node
+whose window is (a node without one falls back to the deepest covered ancestor: never KV without
+its window). Payloads are capped (`max_payloads` nodes, LRU, deepest first among equals)
 because they live outside the pool.
+
+Paged models whose every layer is windowed give back blocks behind the window (`NO_BLOCK`
+entries, kv/windows.py); such a block is cached as a hole node that holds no block, and a
+match stops at the deepest node whose window's blocks are all held (the same rule, with
+"holds its block" for "holds a payload"), so no key inside a window is ever missing.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from typing import Any
 
-from torch_runner.kv.block_manager import BlockManager
+from torch_runner.kv.block_manager import NO_BLOCK, BlockManager
 
 
 class _Node:
@@ -40,10 +50,14 @@ class _Node:
 class RadixCache:
     """Block-granular radix tree over token ids; see the module docstring."""
 
-    def __init__(self, block_manager: BlockManager, max_payloads: int = 256) -> None:
+    def __init__(
+        self, block_manager: BlockManager, max_payloads: int = 256, window: int | None = None
+    ) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.max_payloads = max_payloads
+        # SWA window in tokens (None: one payload is the whole state a match needs)
+        self.window = window
         self._root = _Node((), -1, None, 0)
         self._clock = itertools.count(1)
         self._num_nodes = 0
@@ -69,8 +83,10 @@ class RadixCache:
     ) -> tuple[list[int], Any]:
         """Longest cached block path that is a prefix of `token_ids` and covers <= `max_tokens`.
 
-        Returns (block ids, payload of the last node or None). With `need_payload`, the match
-        stops at the deepest node that carries a payload (SWA models). Takes no references.
+        Returns (block ids, restore). Without `need_payload` restore is None. With it (SWA
+        models) the match stops at the deepest node whose window is covered by payloads and
+        restore is (end position, [payloads of the nodes covering the window, oldest first]),
+        or None for an empty match. Takes no references.
         """
         now = next(self._clock)
         node, path = self._root, []
@@ -82,52 +98,92 @@ class RadixCache:
                 break
             node = child
             path.append(node)
+        restore = None
         if need_payload:
-            while path and path[-1].payload is None:
-                path.pop()
+            path, restore = self._covered_prefix(path, lambda n: n.payload is not None)
+        elif self.window is not None:  # holes (NO_BLOCK) only where blocks left the window
+            path, _ = self._covered_prefix(path, lambda n: n.block_id != NO_BLOCK)
         for visited in path:
             visited.last_access = now
         self.num_queried_tokens += len(token_ids)
         self.num_hit_tokens += len(path) * self.block_size
-        return [n.block_id for n in path], (path[-1].payload if path else None)
+        return [n.block_id for n in path], restore
 
-    def insert(self, token_ids: list[int], block_ids: list[int], payload: Any = None) -> int:
+    def _window_nodes(self, end: int) -> int:
+        """Nodes whose payloads the window ending at `end` spans (1 without a window)."""
+        if self.window is None:
+            return 1
+        return -(-min(self.window, end) // self.block_size)
+
+    def _covered_prefix(self, path: list[_Node], holds) -> tuple[list[_Node], Any]:
+        """The longest prefix of `path` whose last window is held (`holds(node)`: its payload,
+        or its block), and its restore (end, payloads of the window's nodes)."""
+        run = best = 0  # run: consecutive holding nodes ending at node i
+        for i, node in enumerate(path):
+            run = run + 1 if holds(node) else 0
+            if run >= self._window_nodes((i + 1) * self.block_size):
+                best = i + 1
+        if not best:
+            return [], None
+        end = best * self.block_size
+        need = self._window_nodes(end)
+        return path[:best], (end, [n.payload for n in path[best - need : best]])
+
+    def insert(
+        self,
+        token_ids: list[int],
+        block_ids: list[int],
+        payload: Callable[[int], Any] | None = None,
+    ) -> int:
         """Cache the first `len(block_ids)` full blocks of `token_ids`; returns new node count.
 
-        Existing nodes keep their own block (the caller's duplicate stays the caller's);
-        `payload`, when given, is attached to the deepest node.
+        Existing nodes keep their own block (the caller's duplicate stays the caller's).
+        `payload(i)`, when given, is asked for the payload of block i for every node of the
+        path that has none (it may return None: no longer held).
         """
         if len(token_ids) < len(block_ids) * self.block_size:
             raise ValueError("insert: token_ids shorter than the blocks to cache")
         now = next(self._clock)
-        node, created = self._root, 0
-        for key, block_id in zip(self._keys(token_ids, len(block_ids)), block_ids):
+        node, created, added = self._root, 0, False
+        for i, (key, block_id) in enumerate(zip(self._keys(token_ids, len(block_ids)), block_ids)):
             child = node.children.get(key)
             if child is None:
-                self.block_manager.incref(block_id)
+                self.block_manager.incref(block_id)  # NO_BLOCK: a hole node, no reference
                 child = _Node(key, block_id, node, node.depth + 1)
                 node.children[key] = child
                 self._num_nodes += 1
                 created += 1
+            elif child.block_id == NO_BLOCK and block_id != NO_BLOCK:  # a hole filled again
+                self.block_manager.incref(block_id)
+                child.block_id = block_id
             child.last_access = now
             node = child
-        if payload is not None and node is not self._root:
-            node.payload = payload
-            self._payload_nodes.add(node)
+            if payload is not None and node.payload is None:
+                node.payload = payload(i)
+                if node.payload is not None:
+                    self._payload_nodes.add(node)
+                    added = True
+        if added:
             self._cap_payloads()
         return created
 
     def _cap_payloads(self) -> None:
-        while len(self._payload_nodes) > self.max_payloads:
-            oldest = min(self._payload_nodes, key=lambda n: n.last_access)
-            oldest.payload = None
-            self._payload_nodes.discard(oldest)
+        """Drop the least recently used payloads over the cap; among equals the deepest first
+        (a path is touched as a whole, and dropping its tail keeps its head's windows)."""
+        excess = len(self._payload_nodes) - self.max_payloads
+        if excess <= 0:
+            return
+        for node in heapq.nsmallest(
+            excess, self._payload_nodes, key=lambda n: (n.last_access, -n.depth)
+        ):
+            node.payload = None
+            self._payload_nodes.discard(node)
 
     def _is_evictable_leaf(self, node: _Node) -> bool:
         return (
             node is not self._root
             and not node.children
-            and self.block_manager.refcount(node.block_id) == 1
+            and (node.block_id == NO_BLOCK or self.block_manager.refcount(node.block_id) == 1)
         )
 
     def _all_nodes(self):
@@ -148,11 +204,12 @@ class RadixCache:
         is_free: dict[int, bool] = {}
         total = 0
         for node in reversed(order):  # children before their parents
-            free = self.block_manager.refcount(node.block_id) == 1 and all(
+            is_hole = node.block_id == NO_BLOCK
+            free = (is_hole or self.block_manager.refcount(node.block_id) == 1) and all(
                 is_free[id(c)] for c in node.children.values()
             )
             is_free[id(node)] = free
-            total += free
+            total += free and not is_hole
         return total
 
     def evict(self, num_blocks: int) -> int:
@@ -164,7 +221,7 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             self._remove(node)
-            freed += 1
+            freed += node.block_id != NO_BLOCK
             if self._is_evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed

@@ -10,7 +10,8 @@ over the layers on 2-D [B, H] activations: the same ops in the same order on the
 It covers the pre-norm decoders of models/layers.py whose layers are full attention with fused
 q/k/v and gate/up projections and no q/k norm, sinks or window (Llama, Qwen2, Mistral without
 windows: the default SmolLM2); `supports_fast_decode` says which. Everything else, and every
-prefill chunk, runs through the modules.
+prefill chunk, runs through the modules. Under tensor parallel it is each rank's loop over its
+shard, with the two all-reduces per layer the module path has.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ class FlatDecoder:
     read costs ~1.3 us of Python, ~20 per layer). Built after the weights are final (loaded,
     fused, packed): replacing a parameter object later needs a new FlatDecoder."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, all_reduce=None) -> None:
         decoder = model.model
+        # tensor parallel (torch_runner/distributed): o_proj and down_proj are row-parallel, so
+        # their partial outputs are summed over the ranks before the residual add (as the
+        # modules' all-reduce hooks do); the vocab-parallel embedding reduces inside its call
+        self.all_reduce = all_reduce
         self.embed, self.rotary, self.final_norm = (
             decoder.embed_tokens,
             decoder.rotary,
@@ -66,7 +71,7 @@ class FlatDecoder:
         """Hidden [B, 1, H] for one token per row: input_ids, positions [B, 1] int64; caches:
         one PagedLayerView per layer (the pool slots of this step; `store_and_fetch`)."""
         rms_norm, attention, flash = self.rms_norm, ops.impl("attention"), self.flash
-        linear, linear_add = ops.linear, ops.linear_add
+        linear, linear_add, reduce = ops.linear, ops.linear_add, self.all_reduce
         b = input_ids.shape[0]
         h = self.embed(input_ids.view(b))  # [B, H]
         rope = self.rotary.at(positions, h.dtype)
@@ -83,9 +88,16 @@ class FlatDecoder:
                 out = flash(q, keys, values, 0.0, False, attn_mask=None, scale=scale)[0]
             else:
                 out = attention(q, keys, values, positions, layout, sm_scale=scale)
-            h = linear_add(out.transpose(1, 2).reshape(b, hq * d), o_w, o_b, h)
+            out = out.transpose(1, 2).reshape(b, hq * d)
+            if reduce is None:
+                h = linear_add(out, o_w, o_b, h)
+            else:
+                h = h + reduce(linear(out, o_w, o_b))
             gate, up = linear(rms_norm(h, ln2, eps2), gu_w, gu_b).chunk(2, dim=-1)
-            h = linear_add(act(gate).mul_(up), down_w, down_b, h)
+            if reduce is None:
+                h = linear_add(act(gate).mul_(up), down_w, down_b, h)
+            else:
+                h = h + reduce(linear(act(gate).mul_(up), down_w, down_b))
         return rms_norm(h, self.final_norm.weight, self.final_norm.eps).view(b, 1, -1)
 
 

@@ -31,7 +31,10 @@ import torch
 
 from models.layers import GatedMLP
 from ops.moe import is_capturable
+from ops.paged_attention import impl_for as paged_impl_for
+from ops.rope import rope_kv_write
 from torch_runner.kv.caches import PagedKVPool, decode_from_pool
+from torch_runner.runner.launched import resolve_placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,16 @@ class StaticPagedView:
         return decode_from_pool(self.pool, self.layer, self.write_slots, self.tables,
                                 self.kv_lens, q, k, v, sm_scale, sinks, window)  # fmt: skip
 
+    def attend_qkv(self, qkv, cos, signed_sin, num_q_heads: int, *, sm_scale: float,
+                   sinks=None, window=None):  # fmt: skip
+        """Unrotated qkv [B, Hq + 2 Hkv, D] and the rope rows [B, D_rot]: rotate q and k,
+        write k and v to the pool (one kernel on CUDA), attend -> [B, Hq, D]."""
+        k_pool, v_pool = self.pool.k_layers[self.layer], self.pool.v_layers[self.layer]
+        q = rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, self.write_slots, num_q_heads)
+        return paged_impl_for(q.device)(q, k_pool, v_pool, self.tables, self.kv_lens,
+                                        block_size=self.pool.block_size, sm_scale=sm_scale,
+                                        sinks=sinks, window=window)  # fmt: skip
+
 
 def static_decode(model, pool: PagedKVPool, full_layers, num_layers: int, inputs, num_keys: int):
     """One decode token per row from the int64 buffer `inputs` [B, 4 + S / block_size]; every
@@ -80,16 +93,18 @@ def static_decode(model, pool: PagedKVPool, full_layers, num_layers: int, inputs
     return model(input_ids, positions, caches)
 
 
-def fill_inputs(group, block_size: int, num_rows: int, num_keys: int, scratch_slot: int):
+def fill_inputs(group, block_size: int, num_rows: int, num_keys: int, scratch_slot: int,
+                tokens=None):  # fmt: skip
     """Host int64 [num_rows, 4 + S / block_size] for a decode group; rows past the group are
-    padding (kv_len 0, writes to the scratch slot)."""
+    padding (kv_len 0, writes to the scratch slot). `tokens`: each row's input id (default:
+    the sequence's token at `start`; a placeholder id for a chained row, launched.py)."""
     cols = num_keys // block_size
     rows = []
-    for chunk in group:
+    for i, chunk in enumerate(group):
         pos = chunk.start
         table = chunk.seq.block_table[:cols]
         slot = table[pos // block_size] * block_size + pos % block_size
-        token = chunk.seq.token_slice(pos, pos + 1)[0]
+        token = chunk.seq.token_slice(pos, pos + 1)[0] if tokens is None else tokens[i]
         rows.append([token, pos, pos + 1, slot, *table, *([0] * (cols - len(table)))])
     pad = [0, 0, 0, scratch_slot] + [0] * cols
     rows.extend(pad for _ in range(num_rows - len(group)))
@@ -136,14 +151,20 @@ class DecodeGraphs:
     def can_run(self, group) -> bool:
         return len(group) <= self.max_bs and all(c.num_tokens == 1 for c in group)
 
-    def forward(self, group) -> torch.Tensor:
-        """Hidden [len(group), 1, H] of a decode group, through the bucket's graph."""
+    def forward(self, group, tokens=None, future=None) -> torch.Tensor:
+        """Hidden [len(group), 1, H] of a decode group, through the bucket's graph. `tokens`
+        and `future`: input ids with placeholders and the tensor they index (launched.py)."""
         b = len(group)
         rows = next(x for x in self.buckets if x >= b)
         num_keys = key_bucket(max(c.start for c in group) + 1, self.pool.block_size, self.min_keys)
-        host = fill_inputs(group, self.pool.block_size, rows, num_keys, self.pool.scratch_slot)
+        host = fill_inputs(group, self.pool.block_size, rows, num_keys, self.pool.scratch_slot,
+                           tokens)  # fmt: skip
+        if self.device.type == "cuda":  # pageable memory would make the copy wait for the GPU
+            host = host.pin_memory()
         if not self.capture:
-            inputs = host.to(self.device)
+            inputs = host.to(self.device, non_blocking=True)
+            if future is not None:
+                inputs[:, 0] = resolve_placeholders(inputs[:, 0], future)
             hidden = static_decode(
                 self.model, self.pool, self.full_layers, self.num_layers, inputs, num_keys
             )
@@ -151,6 +172,8 @@ class DecodeGraphs:
         entry = self.graphs.get((rows, num_keys)) or self._capture(rows, num_keys)
         graph, inputs, hidden = entry
         inputs.copy_(host, non_blocking=True)
+        if future is not None:  # chained rows: their input token is on the device already
+            inputs[:, 0] = resolve_placeholders(inputs[:, 0], future)
         graph.replay()
         return hidden[:b]  # a view of graph memory: the caller gathers rows before the next replay
 

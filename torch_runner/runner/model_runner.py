@@ -12,7 +12,6 @@ full-attention layer; SWA layers use one WindowedKVCache per request and layer.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -27,25 +26,23 @@ from torch_runner.kv.caches import (
     WindowedBatchView,
     WindowedKVCache,
 )
+from torch_runner.kv.windows import payload_source, restore_windows
 from torch_runner.runner.cpu_decode import FlatDecoder, supports_fast_decode
 from torch_runner.runner.cuda_graphs import DecodeGraphs
+from torch_runner.runner.launched import (
+    NON_FINITE_TOKEN,
+    LaunchedStep,
+    StepResult,
+    placeholder,
+    resolve_placeholders,
+)
 from torch_runner.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
-NON_FINITE_TOKEN = -1  # StepResult token id of a row whose logits were not all finite
+__all__ = ["NON_FINITE_TOKEN", "LaunchedStep", "ModelRunner", "StepResult"]
+
 PAD_WASTE = 1.3  # a group may compute at most this many padded tokens per real token
-
-
-@dataclass
-class StepResult:
-    """Sampled tokens of one step, in the order of the sampled chunks (NON_FINITE_TOKEN marks
-    a row whose logits were not finite)."""
-
-    request_ids: list[str]
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -151,10 +148,14 @@ class ModelRunner:
         # CPU decode steps skip module dispatch (cpu_decode.py); the same ops and values
         self.fast_decode = None
         is_cpu = device.type == "cpu"
-        if is_cpu and tensor_parallel is None and supports_fast_decode(self.model, self.args):
-            self.fast_decode = FlatDecoder(self.model)
+        if is_cpu and supports_fast_decode(self.model, self.args):
+            reduce = None if tensor_parallel is None else tensor_parallel.group.all_reduce
+            self.fast_decode = FlatDecoder(self.model, reduce)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.random_seed)
+        # the last launched step's sampled tokens [M] (on the device) and each request's row:
+        # what a chained chunk's placeholder input reads (launched.py)
+        self._future: tuple[torch.Tensor, dict[str, int]] | None = None
 
     @staticmethod
     def pages_windows(config, device: torch.device) -> bool:
@@ -175,23 +176,17 @@ class ModelRunner:
     def free(self, request_id: str) -> None:
         self.swa_caches.pop(request_id, None)
 
-    def snapshot_windows(self, request_id: str, end_position: int):
-        """Prefix-cache payload: every SWA layer's window ending at `end_position`, or None."""
-        caches = self.swa_caches.get(request_id)
-        if not caches:
-            return None
-        snaps = [cache.snapshot(end_position) for cache in caches]
-        if any(s is None for s in snaps):
-            return None
-        return (end_position, snaps)
+    def snapshot_windows(self, request_id: str):
+        """Prefix-cache payloads of this request: block index -> every SWA layer's keys/values
+        of that block's tail (kv/windows.py), or None without SWA caches."""
+        return payload_source(self.swa_caches.get(request_id), self.block_size)
 
     def _swa_caches_for(self, chunk: ScheduledChunk) -> list[WindowedKVCache]:
         rid = chunk.seq.request_id
         caches = self.swa_caches.get(rid)
         if chunk.restore_from is not None:
-            end, snaps = chunk.restore_from
-            assert end == chunk.start, "prefix payload does not end where the chunk starts"
-            caches = [WindowedKVCache.restore(self.layout.window, k, v, end) for k, v in snaps]
+            assert chunk.restore_from[0] == chunk.start, "prefix payload does not end at the chunk"
+            caches = restore_windows(self.layout.window, chunk.restore_from)
         elif caches is None or chunk.start == 0:
             caches = [WindowedKVCache(self.layout.window) for _ in self.swa_layers]
         if caches and caches[0].offset != chunk.start:
@@ -204,17 +199,22 @@ class ModelRunner:
     # ---- the step ---------------------------------------------------------------------
     def _forward_group(self, group: list[ScheduledChunk]) -> torch.Tensor:
         """Run one forward over `group`; returns hidden [B, N, H]."""
+        is_chained = any(_is_chained(c) for c in group)
+        future = self._future[0] if is_chained else None
         if self.decode_graphs is not None and self.decode_graphs.can_run(group):
-            return self.decode_graphs.forward(group)
+            tokens = [self._input_tokens(c)[0] for c in group]
+            return self.decode_graphs.forward(group, tokens, future)
         b, n = len(group), group[0].num_tokens
         ids = [0] * (b * n)
         pos = [0] * (b * n)
         for i, chunk in enumerate(group):
-            tokens = chunk.seq.token_slice(chunk.start, chunk.end)
+            tokens = self._input_tokens(chunk)
             ids[i * n : i * n + len(tokens)] = tokens
             pos[i * n : (i + 1) * n] = range(chunk.start, chunk.start + n)
-        input_ids = torch.tensor(ids, dtype=torch.int64).view(b, n).to(self.device)  # [B, N]
-        positions = torch.tensor(pos, dtype=torch.int64).view(b, n).to(self.device)  # [B, N]
+        input_ids = self._to_device(ids).view(b, n)  # [B, N]
+        if future is not None:
+            input_ids = resolve_placeholders(input_ids, future)
+        positions = self._to_device(pos).view(b, n)  # [B, N]
         num_new = [c.num_tokens for c in group]
         caches: list = [None] * len(self.args.layer_types)
         if self.full_layers:
@@ -236,6 +236,18 @@ class ModelRunner:
         if self.fast_decode is not None and n == 1:
             return self.fast_decode(input_ids, positions, caches)
         return self.model(input_ids, positions, caches)
+
+    def _input_tokens(self, chunk: ScheduledChunk) -> list[int]:
+        """The chunk's input ids; a chained chunk's one input is a placeholder (launched.py)."""
+        if not _is_chained(chunk):
+            return chunk.seq.token_slice(chunk.start, chunk.end)
+        rows = self._future[1] if self._future is not None else {}
+        if chunk.seq.request_id not in rows:
+            raise RuntimeError(
+                f"request {chunk.seq.request_id!r}: chained at {chunk.start}, but the last "
+                "launched step sampled no token for it"
+            )
+        return [placeholder(rows[chunk.seq.request_id])]
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """int64 [len(values)] on the device without blocking the host: `torch.tensor(list,
@@ -272,29 +284,34 @@ class ModelRunner:
             logits = self.tensor_parallel.group.all_gather_last(logits)
         return logits, sampled
 
-    @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], grammar_rows=None) -> StepResult:
-        """Run the step's chunks; sample one token for every chunk that reaches its end.
+        """Run the step's chunks and wait for its tokens (`launch(...).result()`)."""
+        return self.launch(chunks, grammar_rows).result()
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[ScheduledChunk], grammar_rows=None) -> LaunchedStep:
+        """Queue the step's chunks on the device; sample one token for every chunk that reaches
+        its end. Nothing here waits for the device: the tokens come back at `result()`.
 
         grammar_rows(sampled_chunks) -> list of additive [V] rows or None (structured output).
         """
         forward = self.forward_logits(chunks)
         if forward is None:
-            return StepResult([], [])
+            return LaunchedStep([])
         logits, sampled = forward
         seqs = [c.seq for c in sampled]
         edit_rows = grammar_rows(sampled) if grammar_rows is not None else None
         batch = SamplingBatch.build(
             [s.params for s in seqs],
             [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
+            [_output_ids(c) for c in sampled],
             self.vocab_size,
             self.device,
             edit_rows=edit_rows,
             deterministic=self.deterministic,
             eos_token_ids=self.eos_token_ids,
         )
-        positions = self._to_device([s.num_tokens - 1 for s in seqs])
+        positions = self._to_device([c.end - 1 for c in sampled])
         logits = logits[:, : self.vocab_size]
         out = ops.sample(logits, batch, positions, self.generator)
         # a row whose raw logits hold NaN/inf gets token -1 (the engine ends that request with
@@ -303,12 +320,22 @@ class ModelRunner:
         # costs a quarter of the argmax (isfinite().all() cost 6x the argmax: a [B, V] bool)
         is_finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # [B]
         token_ids = torch.where(is_finite, out.token_ids, NON_FINITE_TOKEN)
-        result = StepResult([s.request_id for s in seqs], token_ids.tolist())
-        if out.logprobs is not None:
-            result.logprobs = out.logprobs.tolist()
-            if out.top_logprobs is not None:
-                ids, values = out.top_logprobs
-                result.top_logprobs = [
-                    list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())
-                ]
-        return result
+        # the next step's chained rows read the sampler's ids (always valid vocabulary ids)
+        self._future = (out.token_ids, {s.request_id: i for i, s in enumerate(seqs)})
+        return LaunchedStep(seqs, token_ids, out.logprobs, out.top_logprobs)
+
+
+def _is_chained(chunk) -> bool:
+    """ScheduledChunk.is_chained; a tensor-parallel worker's chunks (distributed/worker.py) are
+    never chained (overlap is off under tensor parallel) and do not carry the flag."""
+    return getattr(chunk, "is_chained", False)
+
+
+def _output_ids(chunk: ScheduledChunk) -> list[int]:
+    """The outputs the sampler sees. A chained row's last output is still on the device: only
+    its count matters (min_tokens; rows that read output values are never chained), so a
+    stand-in keeps the count right."""
+    seq = chunk.seq
+    if chunk.is_chained and seq.params.min_tokens:
+        return [*seq.output_token_ids, NON_FINITE_TOKEN]
+    return seq.output_token_ids

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from torch_runner.serve.auto_tools import auto_tool_grammar
 from torch_runner.serve.chat_format import (
     check_template_kwargs,
     continuation_field,
     harmony_effort,
 )
+from torch_runner.serve.chat_stream import ChoiceRenderer
 from torch_runner.serve.errors import InvalidRequestError, param_error
 from torch_runner.serve.generation import (
     Choice,
@@ -32,6 +35,7 @@ from torch_runner.serve.harmony_tools import (
     harmony_call_grammar,
     harmony_final_grammar,
 )
+from torch_runner.serve.logprob_fields import CONTENT, TokenLabeler
 from torch_runner.serve.logprobs import chat_logprobs, message_token_count
 from torch_runner.serve.offload import json_response
 from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
@@ -56,7 +60,7 @@ from torch_runner.serve.reasoning.harmony_prompt import HarmonyPromptError, rend
 from torch_runner.serve.sse import stream_choices
 from torch_runner.serve.state import ServingState
 from torch_runner.serve.tool_prompt import message_dicts
-from torch_runner.serve.tools import ToolPlan, plan_tools
+from torch_runner.serve.tools import ToolPlan, check_schemas, plan_tools
 
 PROMPT_TAIL_TOKENS = 16  # enough to see the `<think>` a template opens at the very end
 
@@ -160,6 +164,11 @@ def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
         fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
     elif plan.is_forced:
         fields["structured"] = plan.structured_spec()
+    elif plan.choice == "auto" and fields.get("structured") is None and not chat_format.is_harmony:
+        grammar = auto_tool_grammar(state.tool_parser_name, plan.functions, plan.is_parallel)
+        if grammar is not None:  # a call the model starts is a valid call (serve/auto_tools.py)
+            check_schemas(plan)
+            fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
     elif chat_format.is_harmony and getattr(fields.get("structured"), "kind", "") in WRAPPED_KINDS:
         grammar = harmony_final_grammar(chat_format.harmony_encoding, fields["structured"])
         fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
@@ -187,11 +196,48 @@ def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
 
 
 def _logprobs(
-    state: ServingState, body: ChatCompletionRequest, token_ids, entries
+    state: ServingState, body: ChatCompletionRequest, picks: list[tuple[int, Any]]
 ) -> ChoiceLogprobs | None:
+    """`picks`: the content tokens' (id, logprob entry)."""
     if not body.logprobs:
         return None
-    return ChoiceLogprobs(content=chat_logprobs(state.token_table, token_ids, entries))
+    ids = [token_id for token_id, _ in picks]
+    return ChoiceLogprobs(content=chat_logprobs(state.token_table, ids, [e for _, e in picks]))
+
+
+def _labeler(
+    state: ServingState, body: ChatCompletionRequest, parser: OutputParser, choice: Choice
+) -> TokenLabeler | None:
+    if not body.logprobs:
+        return None
+    skipped = getattr(choice.params, "skip_special_tokens", True)
+    hidden = frozenset(state.tokenizer.all_special_ids) if skipped else frozenset()
+    return TokenLabeler(parser, state.token_table, hidden)
+
+
+def _content_picks(
+    state: ServingState,
+    body: ChatCompletionRequest,
+    plan: ToolPlan,
+    prompt_tail: str,
+    choice: Choice,
+    num_tokens: int,
+) -> list[tuple[int, Any]]:
+    """The message's content tokens with their logprob entries (a fresh parser labels them)."""
+    parser = _parser(state, body, plan, prompt_tail)
+    labeler = _labeler(state, body, parser, choice)
+    if labeler is None:
+        return []
+    parser.feed(choice.text, choice.token_ids)
+    labeler.feed(choice.text, choice.token_ids)
+    parser.finish()
+    labeler.finish()
+    labels = labeler.labels
+    return [
+        (choice.token_ids[i], choice.logprobs[i])
+        for i in range(min(num_tokens, len(choice.logprobs)))
+        if labels[i] == CONTENT
+    ]
 
 
 def _message_tokens(state: ServingState, choice: Choice) -> int:
@@ -222,7 +268,7 @@ def _final_choice(
         index=choice.index,
         message=message,
         logprobs=_logprobs(
-            state, body, choice.token_ids[:num_tokens], choice.logprobs[:num_tokens]
+            state, body, _content_picks(state, body, plan, prompt_tail, choice, num_tokens)
         ),
         finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
     )
@@ -256,8 +302,12 @@ async def _stream(
     prompt_tail: str,
 ) -> Response:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    parsers = {choice.index: _parser(state, body, plan, prompt_tail) for choice in choices}
-    has_calls = dict.fromkeys(parsers, False)
+    renderers = {}
+    for choice in choices:
+        parser = _parser(state, body, plan, prompt_tail)
+        renderers[choice.index] = ChoiceRenderer(
+            parser, _labeler(state, body, parser, choice), lambda c: _message_tokens(state, c)
+        )
 
     def chunk(choice_list: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, model=model, choices=choice_list, usage=usage)
@@ -271,37 +321,20 @@ async def _stream(
             yield chunk([ChatChunkChoice(index=choice.index, delta=delta)])
 
     def render(increment: Increment):
-        choice = increment.choice
         if increment.is_empty:
             return
-        parser = parsers[choice.index]
-        message = parser.feed(increment.delta_text, increment.delta_token_ids)
-        if increment.finish_reason is not None:
-            end = parser.finish()
-            message = DeltaMessage(
-                content=(message.content or "") + (end.content or "") or None,
-                reasoning_content=(message.reasoning_content or "") + (end.reasoning_content or "")
-                or None,
-                tool_calls=message.tool_calls + end.tool_calls,
-            )
-        has_calls[choice.index] |= bool(message.tool_calls)
-        if message.is_empty and increment.finish_reason is None and not body.logprobs:
+        renderer = renderers[increment.choice.index]
+        rendered = renderer.render(increment)
+        if rendered is None:
             return  # held back by the parser (a partial tag); nothing to send yet
-        delta = _delta(message)
-        # pair each logprob entry with its own token (entries can trail the ids by an output),
-        # and leave out a final end-of-turn token (see _final_choice)
-        entries, start = increment.delta_logprobs, increment.logprob_start
-        if increment.is_final:
-            entries = entries[: max(0, _message_tokens(state, choice) - start)]
-        delta_ids = choice.token_ids[start : start + len(entries)]
-        logprobs = _logprobs(state, body, delta_ids, entries)
+        message, picks = rendered
         yield chunk(
             [
                 ChatChunkChoice(
-                    index=choice.index,
-                    delta=delta,
-                    logprobs=logprobs,
-                    finish_reason=_finish_reason(increment.finish_reason, has_calls[choice.index]),
+                    index=increment.choice.index,
+                    delta=_delta(message),
+                    logprobs=_logprobs(state, body, picks),
+                    finish_reason=_finish_reason(increment.finish_reason, renderer.has_calls),
                 )
             ]
         )

@@ -49,9 +49,11 @@ def engine_config(args: argparse.Namespace):
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        async_scheduling=args.async_scheduling,
         swa_kv=args.swa_kv,
         tensor_parallel_size=args.tensor_parallel_size,
         dist_timeout=args.dist_timeout,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 

@@ -129,7 +129,9 @@ def model_flags(add: Adder, d: dict[str, Any]) -> None:
         default=d["quantization"],
         help="Weight-only quantization of every dense linear and the lm_head at load: int8 per "
         "output channel, int4 per 32 input columns (torch's int8/int4 pack kernels); auto: what "
-        "the checkpoint holds (a GGUF's Q4_0/Q4_1 -> int4, Q8_0 -> int8; else none). "
+        "the checkpoint holds (a GGUF's Q4_0/Q4_1 -> int4, Q8_0 -> int8; an fp8 checkpoint's "
+        "e4m3 weights; else none); fp8: e4m3 weights with per-channel scales and per-token "
+        "activation scales through torch._scaled_mm (CUDA GPUs with fp8 matmuls only). "
         "Default: %(default)s.",
     )
     add(
@@ -145,6 +147,14 @@ def model_flags(add: Adder, d: dict[str, Any]) -> None:
         "--disable-cuda-graph",
         action="store_true",
         help="Never capture CUDA graphs for decode (CUDA only; other devices always run eagerly).",
+    )
+    add(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Overlapped scheduling: launch the next decode step while the current one runs "
+        "and postprocess meanwhile (docs/engine.md). Default: on for CUDA, off elsewhere and "
+        "under tensor parallel.",
     )
     add(
         "--cuda-graph-max-bs",
@@ -338,6 +348,13 @@ def parallel_flags(add: Adder, d: dict[str, Any]) -> None:
         default=d["dist_timeout"],
         help="Seconds a collective waits for a rank before the server fails health and exits "
         "(a dead or hung rank). Default: %(default)s.",
+    )
+    add(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=d["enable_expert_parallel"],
+        help="With --tensor-parallel-size N: place whole MoE experts on the ranks (E/N each; "
+        "qwen3_moe, gpt-oss) instead of splitting every expert's intermediate dimension.",
     )
 
 

@@ -126,16 +126,6 @@ def completion_fields(request: CompletionRequest, vocab_size: int) -> dict[str, 
     return fields
 
 
-# Chat fields refused unless null: ignoring them would answer something other than what was asked.
-REFUSED_UNLESS_NULL = {
-    "audio": "audio output is not supported (text-only models)",
-    "web_search_options": "web search is not available on this server",
-    "moderation": "moderation is not available on this server (no moderation model)",
-    "functions": "functions is deprecated by OpenAI and not supported; send tools",
-    "function_call": "function_call is deprecated by OpenAI and not supported; send tool_choice",
-}
-
-
 def check_message_fields(i: int, message: Any) -> None:
     """Image/audio/file parts and assistant audio or function_call: 400 naming the field."""
     for name in ("audio", "function_call"):
@@ -167,17 +157,18 @@ def check_continuation(request: Any) -> None:
 
 
 def check_chat_only_fields(request: ChatCompletionRequest) -> None:
-    """`modalities` must be text only; the REFUSED_UNLESS_NULL fields must be absent or null."""
-    for name, reason in REFUSED_UNLESS_NULL.items():
-        if getattr(request, name) is not None:
-            raise InvalidRequestError(f"{reason}; allowed value: null", param=name)
+    """`modalities` must be text only (no audio output); messages and continuation checks.
+
+    `audio`, `web_search_options` and `moderation` are accepted and ignored (docs/serving.md,
+    "Request fields"); `functions` / `function_call` are mapped onto tools (serve/tools.py)."""
     for i, message in enumerate(request.messages):
         check_message_fields(i, message)
     check_continuation(request)
     if request.modalities is not None and request.modalities != ["text"]:
         others = [m for m in request.modalities if m != "text"]
         raise InvalidRequestError(
-            f"modalities {others or request.modalities} are not supported; allowed: ['text']",
+            f"modalities {others or request.modalities} are not supported (no audio output); "
+            "allowed: ['text']",
             param="modalities",
         )
 

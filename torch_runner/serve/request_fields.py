@@ -1,9 +1,8 @@
 """Request fields beyond the sampling core: OpenAI's newer Chat Completions fields, vLLM's extras.
 
 Every field here is either applied (params.py, guided.py) or accepted and ignored for the reason
-docs/serving.md gives ("Request fields"); a few are refused unless null (`audio`, `moderation`,
-`web_search_options`, `functions`, `function_call`, a non-text `modalities`) because ignoring them
-would silently answer something other than what was asked. Objects that are only ignored are
+docs/serving.md gives ("Request fields"), as vLLM accepts them; only a non-text `modalities` (audio
+output, which a text model cannot produce) is a 400. Objects that are only ignored are
 typed loosely (a dict), so a newer SDK's extra keys in them never break a request; unknown
 top-level names stay a 400 (`extra="forbid"`), so typos are still caught.
 """
@@ -100,16 +99,18 @@ class OpenAIChatFields(_Fields):
         None, description="Ignored: a latency hint; predicted outputs never change the answer."
     )
     modalities: list[str] | None = Field(None, description='Only ["text"].')
-    audio: dict[str, Any] | None = Field(None, description="Refused unless null (text only).")
+    audio: dict[str, Any] | None = Field(
+        None, description='Ignored: audio output options; only used with modalities "audio".'
+    )
     web_search_options: dict[str, Any] | None = Field(
-        None, description="Refused unless null (no web search)."
+        None, description="Ignored: no search tool; the model answers from its weights."
     )
     moderation: dict[str, Any] | None = Field(
-        None, description="Refused unless null (no moderation model)."
+        None, description="Ignored: no moderation model runs here."
     )
     functions: list[dict[str, Any]] | None = Field(
-        None, description="Deprecated by OpenAI; refused: send tools."
+        None, description="Deprecated by OpenAI: taken as tools (answers carry tool_calls)."
     )
     function_call: str | dict[str, Any] | None = Field(
-        None, description="Deprecated by OpenAI; refused: send tool_choice."
+        None, description="Deprecated by OpenAI: taken as tool_choice."
     )

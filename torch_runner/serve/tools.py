@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_runner.serve.errors import InvalidRequestError
-from torch_runner.serve.protocol import ChatCompletionRequest
+from torch_runner.serve.protocol import ChatCompletionRequest, ToolDefinition
 from torch_runner.serve.tool_parsers.forced import parameters_schema, required_calls_schema
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -58,11 +58,12 @@ class ToolPlan:
 
 def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
     """Validate the tool fields (every error names its field) and decide how output is read."""
+    _take_legacy_functions(body)
     functions = _functions(body)
     choice, named = _tool_choice(body.tool_choice, functions)
     plan = ToolPlan(functions, choice, named, body.parallel_tool_calls is not False)
     if plan.is_forced:
-        _check_schemas(plan)
+        check_schemas(plan)
         if body.response_format and body.response_format.get("type") not in (None, "text"):
             raise InvalidRequestError(
                 "response_format cannot be combined with tool_choice 'required' or a named "
@@ -70,6 +71,37 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
                 param="response_format",
             )
     return plan
+
+
+def _take_legacy_functions(body: ChatCompletionRequest) -> None:
+    """OpenAI's deprecated `functions` / `function_call` are the tools API's ancestors: taken as
+    `tools` / `tool_choice` (answers carry `tool_calls`, as OpenAI's own models now answer)."""
+    from pydantic import ValidationError
+
+    if body.functions is None and body.function_call is None:
+        return
+    if body.tools is not None or body.tool_choice is not None:
+        name = "functions" if body.functions is not None else "function_call"
+        raise InvalidRequestError(
+            f"{name} is the deprecated form of tools/tool_choice; send one form, not both",
+            param=name,
+        )
+    try:
+        body.tools = [
+            ToolDefinition(type="function", function=function) for function in body.functions or []
+        ]
+    except ValidationError as exc:
+        raise InvalidRequestError(
+            f"functions: {exc.errors()[0]['msg']}", param="functions"
+        ) from None
+    call = body.function_call
+    if isinstance(call, dict):
+        if set(call) != {"name"} or not isinstance(call["name"], str):
+            raise InvalidRequestError(
+                'function_call must be "none", "auto" or {"name": ...}', param="function_call"
+            )
+        call = {"type": "function", "function": {"name": call["name"]}}
+    body.tool_choice = call
 
 
 def _functions(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -128,7 +160,7 @@ def _tool_choice(raw: Any, functions: list[dict[str, Any]]) -> tuple[str, str | 
     return "named", name
 
 
-def _check_schemas(plan: ToolPlan) -> None:
+def check_schemas(plan: ToolPlan) -> None:
     """Each function the grammar may force must compile, or the 400 names that tool."""
     from torch_runner.grammar.compiler import GrammarError, validate_grammar
 

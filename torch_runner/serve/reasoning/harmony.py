@@ -69,11 +69,16 @@ class HarmonyParser:
         self.is_first_token = True
         self.num_calls = 0
         self.call_message: int | None = None  # index in parser.messages of the open tool call
+        # one label per token fed: the field its text went to ("content", "reasoning", "tool")
+        # or None (header, channel and end tokens, hidden special tokens, text past a stop)
+        self.token_fields: list[str | None] = []
+        self.fed_ids: list[int] = []
 
     def feed(self, delta_text: str, delta_token_ids: list[int]) -> DeltaMessage:
         delta = DeltaMessage()
         for token_id in delta_token_ids:
-            self._process(token_id, delta)
+            self.fed_ids.append(token_id)
+            self.token_fields.append(self._process(token_id, delta))
         self._send_raw(delta, is_final=False)
         return delta
 
@@ -82,6 +87,7 @@ class HarmonyParser:
         self._release(delta, is_final=True)  # a message cut off by max_tokens
         if self.raw_ids is None and self.header_ids:
             self.raw_ids = self.header_ids  # a header that never opened a message: show it
+            self._relabel_header(len(self.header_ids))
         self._send_raw(delta, is_final=True)
         return delta
 
@@ -91,19 +97,21 @@ class HarmonyParser:
         )
         return accumulate([parser.feed(text, token_ids), parser.finish()])
 
-    def _process(self, token_id: int, delta: DeltaMessage) -> None:
+    def _process(self, token_id: int, delta: DeltaMessage) -> str | None:
+        """Parse one token; returns its label (see `token_fields`)."""
         if self.is_stopped:
-            return
+            return None
+        is_hidden = token_id not in self.structure_ids and self.encoding.is_special_token(token_id)
         if self.raw_ids is not None:
             self.raw_ids.append(token_id)
-            return
+            return None if is_hidden else "content"
         import openai_harmony as harmony
 
-        if token_id not in self.structure_ids and self.encoding.is_special_token(token_id):
-            return
+        if is_hidden:
+            return None
         if self.is_first_token and not self._can_open_output(token_id):
             self.raw_ids = [token_id]  # e.g. a grammar's JSON from the first token: stream it
-            return
+            return "content"
         self.is_first_token = False
         num_messages = len(self.parser.messages)
         try:
@@ -111,25 +119,41 @@ class HarmonyParser:
         except Exception:  # HarmonyError (or any other refusal): not harmony any more, plain text
             self._release(delta, is_final=True)
             self.raw_ids = [*self.header_ids, token_id]
-            return
+            self._relabel_header(len(self.header_ids))
+            return "content"
         if len(self.parser.messages) > num_messages:  # the open message just ended
             self._release(delta, is_final=True)
             self.body, self.body_sent = "", 0
         state = self.parser.state
         if state == harmony.StreamState.HEADER:
             self.header_ids.append(token_id)
-            return
+            return None
         self.header_ids = []
         if state != harmony.StreamState.CONTENT:
-            return
+            return None
         recipient = self.parser.current_recipient or ""
         self.route = (self.parser.current_channel, recipient)
         if recipient.startswith(FUNCTIONS_PREFIX):
             self._open_call(recipient, delta)
         piece = self.parser.last_content_delta
+        if token_id in self.structure_ids:  # the <|message|> that opened this body
+            return None
         if piece:
             self.body += piece
             self._release(delta, is_final=False)
+        return None if self.is_stopped and not piece else self._route_field()
+
+    def _route_field(self) -> str:
+        channel, recipient = self.route
+        if recipient.startswith(FUNCTIONS_PREFIX):
+            return "tool"
+        return "reasoning" if channel == "analysis" or recipient else "content"
+
+    def _relabel_header(self, num_ids: int) -> None:
+        """A header that turned out not to be harmony is shown as content: so are its tokens."""
+        for i in range(len(self.token_fields) - num_ids, len(self.token_fields)):
+            if not self.encoding.is_special_token(self.fed_ids[i]):
+                self.token_fields[i] = "content"
 
     def _can_open_output(self, token_id: int) -> bool:
         """After `<|start|>assistant` comes `<|channel|>`, or a ` to=` recipient before it."""
@@ -168,10 +192,10 @@ class HarmonyParser:
         piece, self.body_sent = self.body[self.body_sent : end], max(end, self.body_sent)
         if not piece:
             return
-        channel, recipient = self.route
-        if recipient.startswith(FUNCTIONS_PREFIX):
+        field = self._route_field()
+        if field == "tool":
             delta.tool_calls.append(ToolCallDelta(index=self.num_calls - 1, arguments=piece))
-        elif channel == "analysis" or recipient:
+        elif field == "reasoning":
             delta.reasoning_content = (delta.reasoning_content or "") + piece
         else:
             delta.content = (delta.content or "") + piece

@@ -39,8 +39,11 @@ class ThinkParser:
         self.starts_in_reasoning = starts_in_reasoning
         self.state = _START
         self.pending = ""
+        self.num_fed = 0  # characters fed so far
+        self.content_from: int | None = None  # offset in the fed text where content begins
 
     def feed(self, delta_text: str, delta_token_ids: list[int]) -> DeltaMessage:
+        self.num_fed += len(delta_text)
         return self._consume(self.pending + delta_text, is_final=False)
 
     def finish(self) -> DeltaMessage:
@@ -72,6 +75,8 @@ class ThinkParser:
                 keep = 0 if is_final else _partial_tag_length(text, THINK_END)
                 reasoning, text = text[: len(text) - keep], text[len(text) - keep :]
         if self.state == _CONTENT:
+            if self.content_from is None:  # `text` is always a suffix of what was fed
+                self.content_from = self.num_fed - len(text)
             content, text = text, ""
         self.pending = text
         return DeltaMessage(content=content or None, reasoning_content=reasoning or None)

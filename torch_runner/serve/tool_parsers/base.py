@@ -31,6 +31,10 @@ class StreamingToolParser:
     def __init__(self) -> None:
         self._num_calls = 0
         self._held_space = ""
+        self._held_at = 0  # offset of the held whitespace in the parser's input
+        # [start, end) offsets in the input of the text sent as content, for parsers that pass
+        # `at` to emit_content (serve/logprob_fields.py labels content tokens with them)
+        self.content_spans: list[tuple[int, int]] = []
 
     # subclasses: text in, a DeltaMessage out (through the helpers below)
     def _feed_text(self, text: str, out: DeltaMessage) -> None:
@@ -50,6 +54,7 @@ class StreamingToolParser:
         self._finish_text(out)
         if self._held_space and self._num_calls == 0:
             out.content = (out.content or "") + self._held_space
+            self._add_span(self._held_at, self._held_at + len(self._held_space))
         self._held_space = ""
         return out
 
@@ -57,17 +62,33 @@ class StreamingToolParser:
         return accumulate([self.feed(text, token_ids), self.finish()])
 
     # helpers for subclasses
-    def emit_content(self, text: str, out: DeltaMessage) -> None:
+    def emit_content(self, text: str, out: DeltaMessage, at: int | None = None) -> None:
         """Content, holding back trailing whitespace: it is sent once more text follows, and
-        dropped when a call follows (so a message that is only calls has no content)."""
+        dropped when a call follows (so a message that is only calls has no content). `at`:
+        where `text` starts in the parser's input (None: not tracked)."""
         if not text:
             return
         body = text.rstrip()
         if not body:
+            if not self._held_space and at is not None:
+                self._held_at = at
             self._held_space += text
             return
+        if at is not None:
+            self._add_span(self._held_at if self._held_space else at, at + len(body))
+            self._held_at = at + len(body)
         out.content = (out.content or "") + self._held_space + body
         self._held_space = text[len(body) :]
+
+    def _add_span(self, start: int, end: int) -> None:
+        if self.content_spans and self.content_spans[-1][1] == start:
+            start = self.content_spans.pop()[0]
+        self.content_spans.append((start, end))
+
+    @property
+    def decided_upto(self) -> int | None:
+        """Input offset before which every character's field is final (None: not tracked)."""
+        return None
 
     def drop_held_space(self) -> None:
         self._held_space = ""

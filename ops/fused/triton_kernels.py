@@ -1,0 +1,183 @@
+"""Triton kernels for the CUDA decode step; the torch ops they replace are their references.
+
+Why: a 1B batch-1 decode step launched ~26 kernels per layer, half of them elementwise glue
+(fp32 casts of the norm input and weight, the residual add, rope's flip/mul/mul/add, two
+index_copy_ into the pool, silu then mul). Each kernel here does one of those groups in a
+single pass, reads weights in their stored dtype (no per-call cast) and accumulates in fp32.
+
+Rounding follows the torch reference so results match it: where torch rounds an intermediate
+to the tensor dtype (bf16 rope: x*cos, swapped*sin, their sum; SwiGLU's chain of ops), the
+kernel rounds there too (`_round`), so rope and the activations are bit-identical to torch;
+rms_norm rounds once at the end like the torch path (fp32 math), differing only in the
+reduction order of the mean of squares. Checked in tests/test_ops_fused.py (GPU-marked).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """fp32 -> the storage dtype -> fp32: where a torch op on DTYPE tensors would round."""
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, H, eps,
+                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    dtype = Out.dtype.element_ty
+    s = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:  # the bf16 residual add of torch: fp32 sum rounded to the dtype
+        r = tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        s = _round(s + r, dtype)
+        tl.store(ResOut + row * stride_ro + cols, s.to(dtype), mask=ok)
+    scale = tl.rsqrt(tl.sum(s * s, 0) / H + eps)
+    y = s * scale
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, y.to(dtype), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight, eps: float):
+    """(rms_norm(s), s) with s = x + residual (s = x when residual is None); x [..., H]."""
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    r2 = x2 if residual is None else residual.reshape(-1, h)
+    if x2.stride(-1) != 1 or r2.stride(-1) != 1:
+        x2, r2 = x2.contiguous(), r2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_out = x2 if residual is None else torch.empty_like(out)
+    block = triton.next_power_of_2(h)
+    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, x2 if weight is None else weight, out, res_out,
+        x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), h, eps,
+        BLOCK=block, HAS_RES=residual is not None, HAS_W=weight is not None, num_warps=warps,
+    )  # fmt: skip
+    return out.view(x.shape), x if residual is None else res_out.view(x.shape)
+
+
+@triton.jit
+def _silu_mul_kernel(X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    dtype = Out.dtype.element_ty
+    g = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    act = _round(g / (1.0 + tl.exp(-g)), dtype)  # F.silu rounds to the dtype, then `* up`
+    tl.store(Out + row * stride_o + cols, (act * u).to(dtype), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2I] = [gate | up] -> [..., I]."""
+    two_i = gate_up.shape[-1]
+    x2 = gate_up.reshape(-1, two_i)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    inter = two_i // 2
+    out = torch.empty((x2.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+        x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+    )
+    return out.view(*gate_up.shape[:-1], inter)
+
+
+@triton.jit
+def _swiglu_kernel(X, Bias, Rows, Out, stride_x, stride_b, stride_rows, stride_o, inter, limit,
+                   alpha,
+                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    dtype = Out.dtype.element_ty
+    g = tl.load(X + row * stride_x + 2 * cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + 2 * cols + 1, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # h + bias[rows] of the reference, rounded like the bf16 add
+        b_row = tl.load(Rows + row * stride_rows).to(tl.int64)
+        g = _round(g + tl.load(Bias + b_row * stride_b + 2 * cols, mask=ok).to(tl.float32), dtype)
+        u = _round(u + tl.load(Bias + b_row * stride_b + 2 * cols + 1, mask=ok).to(tl.float32),
+                   dtype)  # fmt: skip
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    sig = _round(1.0 / (1.0 + tl.exp(-_round(g * alpha, dtype))), dtype)
+    glu = _round(g * sig, dtype)
+    out = _round(u + 1.0, dtype) * glu
+    tl.store(Out + row * stride_o + cols, out.to(dtype), mask=ok)
+
+
+def clamped_swiglu(h, limit: float, alpha: float, bias=None, bias_rows=None) -> torch.Tensor:
+    """gpt-oss's activation of h [T, 2I] (gate/up interleaved) -> [T, I]; with `bias` [E, 2I]
+    and `bias_rows` [T], h + bias[bias_rows] first."""
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    t, two_i = h.shape
+    inter = two_i // 2
+    out = torch.empty((t, inter), dtype=h.dtype, device=h.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    has_bias = bias is not None
+    _swiglu_kernel[(t, triton.cdiv(inter, block))](
+        h, bias if has_bias else h, bias_rows if has_bias else h, out, h.stride(0),
+        bias.stride(0) if has_bias else 0, bias_rows.stride(0) if has_bias else 0,
+        out.stride(0), inter, float(limit), float(alpha),
+        BLOCK=block, HAS_BIAS=has_bias, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _rope_kv_kernel(QKV, Cos, Sin, Slots, Q, K, V,
+                    stride_t, stride_h, stride_ct, stride_st, stride_slot, stride_qt, stride_qh,
+                    stride_ks, stride_kh, stride_vs, stride_vh,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                    ROT: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, D_PAD)
+    ok = d < D
+    dtype = Q.dtype.element_ty
+    base = QKV + t * stride_t + head * stride_h
+    x = tl.load(base + d, mask=ok, other=0.0).to(tl.float32)
+    slot = tl.load(Slots + t * stride_slot).to(tl.int64)  # a column of the graph's inputs
+    if head < HQ + HKV:  # q or k: rotate the first ROT dims (HF rotate_half layout)
+        rot = d < ROT
+        half = ROT // 2
+        partner = tl.where(d < half, d + half, d - half)
+        swapped = tl.load(base + partner, mask=rot, other=0.0).to(tl.float32)
+        cos = tl.load(Cos + t * stride_ct + d, mask=rot, other=1.0).to(tl.float32)
+        sin = tl.load(Sin + t * stride_st + d, mask=rot, other=0.0).to(tl.float32)
+        turned = _round(_round(x * cos, dtype) + _round(swapped * sin, dtype), dtype)
+        x = tl.where(rot, turned, x)
+        if head < HQ:
+            tl.store(Q + t * stride_qt + head * stride_qh + d, x.to(dtype), mask=ok)
+        else:
+            k_out = K + slot * stride_ks + (head - HQ) * stride_kh + d
+            tl.store(k_out, x.to(K.dtype.element_ty), mask=ok)
+    else:
+        v_out = V + slot * stride_vs + (head - HQ - HKV) * stride_vh + d
+        tl.store(v_out, x.to(V.dtype.element_ty), mask=ok)
+
+
+def rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, slots, num_q_heads: int):
+    """Rotate q and k of qkv [T, Hq + 2 Hkv, D] by the rope tables cos / signed_sin [T, D_rot],
+    write k and v to k_pool / v_pool [slots, Hkv, D] at `slots` [T]; return q [T, Hq, D]."""
+    t, heads, d = qkv.shape
+    hkv = (heads - num_q_heads) // 2
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    q = torch.empty((t, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_kernel[(t, heads)](
+        qkv, cos, signed_sin, slots, q, k_pool, v_pool,
+        qkv.stride(0), qkv.stride(1), cos.stride(0), signed_sin.stride(0), slots.stride(0),
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        HQ=num_q_heads, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d), ROT=cos.shape[-1],
+        num_warps=1, enable_fp_fusion=False,  # no FMA: torch rounds x*cos before the add
+    )  # fmt: skip
+    return q

@@ -1,0 +1,165 @@
+"""fp8 (e4m3) linear weights: checkpoints' per-tensor, per-channel and 128x128-block scales,
+and per-channel quantization of a dense weight at load.
+
+Why `torch._scaled_mm`: on Hopper it multiplies fp8 operands on the tensor cores, so a decode
+step streams 1 byte per weight instead of 2. Activations are quantized per token (row) to e4m3 on
+the fly, as vLLM's dynamic scheme does: s_x = max|x_row| / 448, one fused Triton kernel
+(ops/quant/fp8_triton.py) writes the fp8 row and its scale; the matmul applies s_x [M, 1] and the
+weight's per-channel s_w [1, N] to the fp32 accumulator (torch's row-wise scaling, bf16 output).
+
+Everywhere else (CPU, a GPU without fp8 matmuls, a shape _scaled_mm refuses, block scales) the
+reference path runs: the weight is dequantised (fp8 -> fp32, times its scales, cast to the
+activation dtype) and multiplied densely in the activation dtype, with unquantized activations;
+it equals a dense model holding the dequantised weights bit for bit.
+
+Scales multiply: w ~ fp8 * s (what llm-compressor's `weight_scale` and DeepSeek / Qwen3-FP8's
+`weight_scale_inv` both mean).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ops.quant.int_linear import QuantizedLinearWeight
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+SCALE_EPS = 1e-12  # an all-zero row gets this scale, not 0 (no 0 / 0)
+SCALED_MM_ALIGN = 16  # _scaled_mm needs K and N divisible by 16
+# up to this many rows (decode batches) CUDA runs the Triton weight-only kernel instead
+# (fp8 weights upcast in registers, activations unquantized): no quantize launch per linear
+# (measured at batch 1 on the H200: faster than _scaled_mm on both Llama geometries; larger
+# batches were not measured, so they keep the _scaled_mm path)
+WEIGHT_ONLY_MAX_ROWS = 1
+
+
+class Fp8Weight(QuantizedLinearWeight):
+    """An [N, K] e4m3 weight with fp32 scales: [N] per channel (a per-tensor scale is stored
+    expanded) or [ceil(N / bn), ceil(K / bk)] per (bn, bk) block (`block`)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+        block: tuple[int, int] | None = None,
+    ):
+        super().__init__(*weight.shape, dtype, weight.device)
+        self.weight, self.block = weight, block
+        self.scale = scale.to(device=weight.device, dtype=torch.float32).contiguous()
+        self.uses_scaled_mm = block is None and can_scaled_mm(self.device, *weight.shape)
+        if self.uses_scaled_mm:
+            self.scale_row = self.scale.view(1, -1)  # [1, N] for row-wise scaling
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.uses_scaled_mm:
+            return F.linear(x, self.dequantize())
+        if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            from ops.quant.fp8_triton import weight_only_matmul
+
+            return weight_only_matmul(x, self.weight, self.scale)
+        from ops.quant.fp8_triton import quantize_rows
+
+        xq, x_scale = quantize_rows(x)  # [M, K] e4m3, [M, 1] fp32
+        # weight [N, K] row-major: its .t() is the column-major [K, N] _scaled_mm takes
+        out = torch._scaled_mm(
+            xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale_row, out_dtype=torch.bfloat16
+        )
+        return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The reference weight [N, K]: fp8 * scale in fp32, rounded once to the activation dtype."""
+        return dequantize(self.weight, self.scale, self.block).to(self.dtype)
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scale.nbytes
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block=None) -> torch.Tensor:
+    """fp8 [N, K] times per-channel [N] or block [ceil(N/bn), ceil(K/bk)] scales -> fp32 [N, K]."""
+    w = weight.float()
+    if block is None:
+        return w * scale.float().view(-1, 1)
+    n, k = w.shape
+    bn, bk = block
+    full = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    return w * full[:n, :k]
+
+
+def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
+    """A dense [N, K] weight -> e4m3 with per-channel scales max|w_row| / 448."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=SCALE_EPS)  # [N]
+    q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return Fp8Weight(q.contiguous(), scale, weight.dtype)
+
+
+def scale_layout(
+    name: str, weight_shape, scale_shape, block: tuple[int, int] | None
+) -> tuple[str, tuple[int, ...]]:
+    """Which layout a checkpoint scale has ("tensor", "channel", "block") and the shape it must
+    have; a scale of any other shape is a ValueError naming the tensor and the shapes allowed."""
+    n, k = weight_shape
+    shape = tuple(scale_shape)
+    if block is not None:
+        bn, bk = block
+        want = (-(-n // bn), -(-k // bk))
+        if shape == want:
+            return "block", want
+        allowed = f"{want} (blocks of {bn}x{bk})"
+    else:
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel == 1 and len(shape) <= 2:
+            return "tensor", shape
+        if shape in ((n,), (n, 1)):
+            return "channel", shape
+        allowed = f"() or (1,) per tensor, ({n},) or ({n}, 1) per channel"
+    raise ValueError(
+        f"tensor {name!r} has shape {shape} for a [{n}, {k}] fp8 weight; allowed: {allowed}"
+    )
+
+
+def from_checkpoint(
+    name: str, weight: torch.Tensor, scale: torch.Tensor, dtype, block=None
+) -> Fp8Weight:
+    """A checkpoint's e4m3 weight and its scale tensor `name` (checked by `scale_layout`)."""
+    layout, _ = scale_layout(name, weight.shape, scale.shape, block)
+    if layout == "tensor":
+        scale = scale.float().reshape(1).expand(weight.shape[0])
+    elif layout == "channel":
+        scale = scale.float().reshape(-1)
+    return Fp8Weight(weight, scale.float(), dtype, block if layout == "block" else None)
+
+
+def count_nan(weight: torch.Tensor) -> int:
+    """e4m3fn NaNs (bytes S.1111.111; the format has no inf). A load-time check: one host sync."""
+    return int(((weight.view(torch.uint8) & 0x7F) == 0x7F).sum().item())
+
+
+@functools.cache
+def _device_has_fp8(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)  # Ada and Hopper have fp8 MMA
+
+
+def can_scaled_mm(device: torch.device, n: int, k: int) -> bool:
+    """True when `_scaled_mm` can run this [N, K] weight on `device` (CUDA, fp8 MMA, aligned)."""
+    if device.type != "cuda" or n % SCALED_MM_ALIGN or k % SCALED_MM_ALIGN:
+        return False
+    return _device_has_fp8(device.index if device.index is not None else 0)
+
+
+def device_fp8_support(device: torch.device) -> str | None:
+    """None when `device` multiplies fp8 on its matrix units, else why not (for the load error)."""
+    if device.type != "cuda":
+        return (
+            f"device {device.type} has no fp8 matmul (needs a CUDA GPU of compute capability 8.9+)"
+        )
+    if not _device_has_fp8(device.index if device.index is not None else 0):
+        cap = torch.cuda.get_device_capability(device)
+        return f"this GPU has compute capability {cap[0]}.{cap[1]}; fp8 matmuls need 8.9+"
+    return None

@@ -1,0 +1,76 @@
+"""Tensor parallel with packed weights: int8 / int4 linears quantized shard by shard, against
+the same quantized mode at tensor_parallel_size=1 (the oracle, itself checked against
+dequantised weights by test_ops_quant_int.py). int8 row-parallel shards take the whole row's
+scale (a max over the ranks), int4 shards split only at group boundaries, so every rank's codes
+are the one-rank model's codes: greedy tokens are identical and logprobs differ only by the fp32
+partial sums of the row-parallel matmuls."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+from engine_helpers import save_engine_checkpoint
+
+from ops.sampling.params import SamplingParams
+from torch_runner.engine import Engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LOGPROB_ATOL = 1e-4
+ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_total_tokens=128, chunked_prefill_size=16,
+                     swa_kv="paged")  # fmt: skip
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, ignore_eos=True)
+PROMPTS = [[7, 3, 9, 4, 1, 8, 5, 6] * 3, [20, 21, 22], [40] * 17]
+
+
+def run(path, monkeypatch, **kwargs):
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    engine = Engine(str(path), **{**ENGINE_KWARGS, **kwargs})
+    try:
+        outs = engine.generate(PROMPTS, PARAMS)
+    finally:
+        engine.close()
+    return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
+
+
+def assert_same(got, want):
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1]):
+        assert a == pytest.approx(b, abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "mode"), [("llama", "int8"), ("llama", "int4"), ("qwen3_moe", "int8")]
+)
+def test_quantized_two_ranks_match_one_rank(tmp_path, monkeypatch, model_type, mode):
+    path, _ = save_engine_checkpoint(model_type, tmp_path, initializer_range=0.5)
+    want = run(path, monkeypatch, quantization=mode)
+    dense = run(path, monkeypatch)
+    assert dense[1] != want[1], "the quantized model must differ from the dense one"
+    got = run(path, monkeypatch, quantization=mode, tensor_parallel_size=2)
+    assert_same(got, want)
+    assert not multiprocessing.active_children()
+
+
+def test_int4_shard_that_splits_a_group_is_refused_before_any_rank_starts(tmp_path):
+    # down_proj: in_features 96 (3 groups of 32) at one rank, 48 per rank at two
+    path, _ = save_engine_checkpoint("llama", tmp_path, intermediate_size=96)
+    with pytest.raises(ValueError, match=r"down_proj shard \[64, 48\] would split an int4 group"):
+        Engine(str(path), tensor_parallel_size=2, quantization="int4", **ENGINE_KWARGS)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q8_0"])
+def test_gguf_two_ranks_match_one_rank(tmp_path, monkeypatch, linear_type):
+    """A GGUF's Q4 codes/scales/zeros are cut like their weights (Q8_0: re-quantized per rank
+    with the whole row's scales), against the same file at one rank."""
+    pytest.importorskip("gguf")
+    from test_models_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("TORCH_RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / f"tiny-{linear_type}.gguf", linear_type)
+    want = run(path, monkeypatch)
+    got = run(path, monkeypatch, tensor_parallel_size=2)
+    assert_same(got, want)
+    assert not multiprocessing.active_children()
