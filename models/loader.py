@@ -146,6 +146,9 @@ def load_model(
         if load_format != "dummy":  # after the cast: an fp32 value past fp16's range is inf now
             weight_checks.check_finite(name, state[name])
     model.load_state_dict(state, strict=True, assign=True)
+    # the parameters are the only holders now: fusing below then frees each q/k/v and gate/up
+    # original as it is replaced, so the load peaks near 1x the weights, not 2x
+    del weights, state
     model.to(torch_device)  # the non-persistent rope tables were built on CPU
     model.eval().requires_grad_(False)
     fuse_projections(model)  # q/k/v and gate/up as one matmul each; the state dict is unchanged

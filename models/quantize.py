@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import sys
 
 import torch
@@ -33,8 +34,9 @@ logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # auto: the checkpoint's own (loader)
 INT4_GROUP_SIZE = 32  # llama.cpp's Q4_0 / Q4_1 block size
 # an fp32 model's quantized linears compute in bf16 on a bf16 CPU (ops/quant/int_linear.py says
-# why); tests of the exact fp32 kernels turn it off
-ROUND_FP32_ACTIVATIONS = True
+# why); TORCH_RUNNER_EXACT_FP32_QUANT=1 keeps them in fp32 (slow, exact: read at import, so
+# tensor-parallel ranks inherit it; tests of the exact fp32 kernels set it)
+ROUND_FP32_ACTIVATIONS = os.environ.get("TORCH_RUNNER_EXACT_FP32_QUANT", "0") != "1"
 
 
 def quantize_linears(

@@ -21,6 +21,7 @@ def exact_fp32(monkeypatch):
     from models import quantize
 
     monkeypatch.setattr(quantize, "ROUND_FP32_ACTIVATIONS", False)
+    monkeypatch.setenv("TORCH_RUNNER_EXACT_FP32_QUANT", "1")  # spawned tensor-parallel ranks
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from engine_helpers import save_engine_checkpoint
 from ops.sampling.params import SamplingParams
 from torch_runner.engine import Engine
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "exact_fp32")
 
 LOGPROB_ATOL = 1e-4
 ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_total_tokens=128, chunked_prefill_size=16,
