@@ -9,36 +9,18 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
+import tp_helpers
 from engine_helpers import byte_tokenizer, save_engine_checkpoint
 from test_models_mxfp4 import write_mxfp4_gpt_oss
+from tp_helpers import ENGINE_KWARGS, run
 
-from ops.sampling.params import SamplingParams
 from torch_runner.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LOGPROB_ATOL = 1e-4
-ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_total_tokens=128, chunked_prefill_size=16,
-                     swa_kv="paged")  # fmt: skip
-PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, ignore_eos=True)
-PROMPTS = [[7, 3, 9, 4, 1, 8, 5, 6] * 3, [20, 21, 22], [40] * 17]
-
-
-def run(path, monkeypatch, **kwargs):
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    engine = Engine(str(path), **{**ENGINE_KWARGS, **kwargs})
-    try:
-        outs = engine.generate(PROMPTS, PARAMS)
-        weights = sum(t.numel() for t in engine.runner.model.state_dict().values())
-    finally:
-        engine.close()
-    return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], weights
-
 
 def assert_same(got, want):
-    assert got[0] == want[0]
-    for a, b in zip(got[1], want[1]):
-        assert a == pytest.approx(b, abs=LOGPROB_ATOL)
+    tp_helpers.assert_same(got, want)
     assert 0.5 <= got[2] / want[2] < 0.56, "rank 0 holds about half the weights"
 
 

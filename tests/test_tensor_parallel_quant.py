@@ -11,33 +11,11 @@ import multiprocessing
 
 import pytest
 from engine_helpers import save_engine_checkpoint
+from tp_helpers import ENGINE_KWARGS, assert_same, run
 
-from ops.sampling.params import SamplingParams
 from torch_runner.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_thread", "exact_fp32")
-
-LOGPROB_ATOL = 1e-4
-ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_total_tokens=128, chunked_prefill_size=16,
-                     swa_kv="paged")  # fmt: skip
-PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, ignore_eos=True)
-PROMPTS = [[7, 3, 9, 4, 1, 8, 5, 6] * 3, [20, 21, 22], [40] * 17]
-
-
-def run(path, monkeypatch, **kwargs):
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    engine = Engine(str(path), **{**ENGINE_KWARGS, **kwargs})
-    try:
-        outs = engine.generate(PROMPTS, PARAMS)
-    finally:
-        engine.close()
-    return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
-
-
-def assert_same(got, want):
-    assert got[0] == want[0]
-    for a, b in zip(got[1], want[1]):
-        assert a == pytest.approx(b, abs=LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize(
