@@ -28,13 +28,7 @@ NON_FINITE_MESSAGE = (
 def is_chain_safe(seq: Sequence) -> bool:
     """False when the sampler needs this sequence's last token on the host before its next
     step: a grammar mask (advanced by the token) or penalties (counted over the outputs)."""
-    p = seq.params
-    return (
-        p.structured is None
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-    )
+    return seq.params.structured is None and not seq.params.has_penalties
 
 
 class EngineSteps:
