@@ -87,6 +87,20 @@ def quantize_linears(
             return quantize_int8(weight, shard.int8_amax(name))
         return quantize_weight(weight, mode, INT4_GROUP_SIZE)
 
+    _replace_linears(model, quantize)
+    if head_mode not in (None, mode):
+        mode = head_mode  # quantize_one reads it: the head's own mode
+    if mode != "none":
+        _replace_head(model, quantize)
+    logger.info("quantization=%s: %d linear weights quantized", mode, count)
+    return_freed_memory()
+    return count
+
+
+def _replace_linears(model: nn.Module, quantize) -> None:
+    """Replace every decoder layer's fused q/k/v and gate/up matrices, o_proj and down_proj by
+    `quantize(weight, name, parts)` (a weight it gives back as a tensor stays as it is); the
+    per-projection parameters, views of the fused matrices, become meta placeholders."""
     for name, module in list(model.named_modules()):
         if isinstance(module, Attention):
             if module.qkv_weight is None:
@@ -104,21 +118,19 @@ def quantize_linears(
             _replace_weight(
                 module.down_proj, quantize(module.down_proj.weight, f"{name}.down_proj")
             )
+
+
+def _replace_head(model: nn.Module, quantize) -> None:
+    """The lm_head by `quantize(weight, "lm_head")`; a tied model gets a quantized copy of the
+    embedding as its head (the embedding stays dense for lookups)."""
     head = getattr(model, "lm_head", False)
-    if head_mode not in (None, mode):
-        mode = head_mode
-        if mode == "none":
-            head = False
-    if head is None:  # tied: quantize a copy of the embedding as the head
+    if head is None:
         model.lm_head = PackedHead(model.model.embed_tokens.weight)
         _replace_buffer(
             model.lm_head, "weight", quantize(model.model.embed_tokens.weight, "lm_head")
         )
     elif isinstance(head, nn.Linear):
         _replace_weight(head, quantize(head.weight, "lm_head"))
-    logger.info("quantization=%s: %d linear weights quantized", mode, count)
-    return_freed_memory()
-    return count
 
 
 def return_freed_memory() -> None:
@@ -159,30 +171,12 @@ def quantize_linears_fp8(model: nn.Module) -> int:
 
     count = 0
 
-    def quantize(weight: torch.Tensor):
+    def quantize(weight: torch.Tensor, name: str, parts=()):
         nonlocal count
         count += 1
         return quantize_fp8(weight)
 
-    for module in list(model.modules()):
-        if isinstance(module, Attention):
-            if module.qkv_weight is None:
-                module.fuse()
-            _replace_buffer(module, "qkv_weight", quantize(module.qkv_weight))
-            _to_placeholders(module.q_proj, module.k_proj, module.v_proj)
-            _replace_weight(module.o_proj, quantize(module.o_proj.weight))
-        elif isinstance(module, GatedMLP):
-            if module.gate_up_weight is None:
-                module.fuse()
-            _replace_buffer(module, "gate_up_weight", quantize(module.gate_up_weight))
-            _to_placeholders(module.gate_proj, module.up_proj)
-            _replace_weight(module.down_proj, quantize(module.down_proj.weight))
-    head = getattr(model, "lm_head", False)
-    if head is None:  # tied: an fp8 copy of the embedding as the head
-        embedding = model.model.embed_tokens.weight
-        model.lm_head = PackedHead(embedding)
-        _replace_buffer(model.lm_head, "weight", quantize(embedding))
-    elif isinstance(head, nn.Linear):
-        _replace_weight(head, quantize(head.weight))
+    _replace_linears(model, quantize)
+    _replace_head(model, quantize)
     logger.info("quantization=fp8: %d linear weights quantized (per-channel e4m3)", count)
     return count
