@@ -7,9 +7,9 @@ against 9.5 GiB for gpt-oss-20b). Each expert matrix is the row-major [R, C] = [
 so an expert computes `x @ W.T`.
 
 Backends, chosen per call by the weight's device (the routing is ops.moe's, unchanged):
-- CUDA: a Triton kernel reads the bytes and scales and multiplies in registers, over tokens
-  sorted by expert into fixed-size blocks; no host sync, so CUDA graphs capture it
-  (ops/quant/mxfp4_triton.py).
+- CUDA: Triton kernels read the bytes and scales and multiply in registers: per (token, expert)
+  pair for decode-sized steps, over per-expert token lists on the tensor cores for larger ones;
+  no host sync, so CUDA graphs capture it (ops/quant/mxfp4_triton.py).
 - everything else (CPU, MPS): only the experts this step routes to are dequantised, in tiles
   of at most TILE_ELEMENTS values, each tile consumed by one matmul.
 """
@@ -176,10 +176,10 @@ def moe_gpt_oss_mxfp4(
     if x.device.type == "cuda":
         from ops.quant.mxfp4_triton import moe_experts_mxfp4
 
-        y = moe_experts_mxfp4(
-            x, top_idx, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, limit, alpha
-        )  # [T, k, H]
-        return (y * scores[..., None]).sum(dim=1).to(x.dtype)
+        return moe_experts_mxfp4(
+            x, top_idx, scores, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
+            limit, alpha, is_expert_parallel=num_local != router_weight.shape[0],
+        )  # fmt: skip
     out = torch.zeros_like(x)
     for expert, rows, slots in route_groups(top_idx, num_local):
         h = expert_linear(x[rows], gate_up_proj, expert, gate_up_proj_bias[expert])  # [t, 2I]
