@@ -130,15 +130,18 @@ from test_ops_quant_mxfp4 import TOP_K, moe_case
 from ops.moe import moe_gpt_oss
 from ops.quant.mxfp4_triton import moe_experts_mxfp4
 # the interpreter's bf16 tl.dot is wrong (numpy has no bf16): the grouped bf16 path is GPU-only
-cases = [(1, "gemv", torch.float32), (5, "gemv", torch.float32), (1, "gemv", torch.bfloat16),
-         (5, "gemv", torch.bfloat16), (1, "grouped", torch.float32), (9, "grouped", torch.float32)]
-for num_tokens, formulation, dtype in cases:
+BYTES = {"gemv": ((16, 4, 4, False), (16, 4, 4, False)), "grouped": (64, 2, 4, 3, False)}
+cases = [(1, "gemv", torch.float32, None), (5, "gemv", torch.float32, None),
+         (5, "gemv", torch.float32, BYTES["gemv"]), (1, "gemv", torch.bfloat16, None),
+         (5, "gemv", torch.bfloat16, BYTES["gemv"]), (1, "grouped", torch.float32, None),
+         (9, "grouped", torch.float32, None), (9, "grouped", torch.float32, BYTES["grouped"])]
+for num_tokens, formulation, dtype, config in cases:
     packed, dense = moe_case(num_tokens, dtype, seed=num_tokens)
     x, rw, rb, gu, gub, dn, dnb = packed
     top_val, top_idx = torch.topk(torch.nn.functional.linear(x, rw, rb), TOP_K)
     scores = torch.softmax(top_val, -1)
     got = moe_experts_mxfp4(x, top_idx, scores, gu, gub, dn, dnb, 7.0, 1.702,
-                            formulation=formulation)
+                            formulation=formulation, config=config)
     want = moe_gpt_oss(*(t.float() if t.is_floating_point() else t for t in dense), top_k=TOP_K)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
