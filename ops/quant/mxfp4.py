@@ -47,6 +47,7 @@ FP4_E2M1_VALUES = (
 SCALE_BIAS = 127
 GROUP_SIZE = 32  # values per scale
 TILE_ELEMENTS = 1 << 21  # dequantised values alive at once in the tiled path (8 MiB in fp32)
+FUSED_ROUTER = True  # CUDA: route() in one Triton launch instead of linear + topk + softmax
 
 
 @dataclass(frozen=True)
@@ -167,9 +168,7 @@ def moe_gpt_oss_mxfp4(
             f"moe_gpt_oss: packed experts are [{gate_up_proj.out_features}, {gate_up_proj.in_features}] "
             f"and [{down_proj.out_features}, {down_proj.in_features}]; x has hidden size {x.shape[-1]}"
         )
-    logits = linear(x, router_weight, router_bias)  # [T, E]
-    top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
-    scores = torch.softmax(top_val, dim=-1)
+    top_idx, scores = route(x, router_weight, router_bias, top_k)
     num_local = gate_up_proj.num_experts
     if num_local != router_weight.shape[0]:  # expert parallel (ops.routing.local_experts)
         top_idx, scores = local_experts(top_idx, scores, expert_start, num_local)
@@ -187,6 +186,19 @@ def moe_gpt_oss_mxfp4(
         y = expert_linear(h, down_proj, expert, down_proj_bias[expert])  # [t, H]
         out.index_add_(0, rows, (y * scores[rows, slots, None]).to(x.dtype))
     return out
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int):
+    """gpt-oss routing: (top_idx [T, k], scores [T, k]) = top-k of the router logits and the
+    softmax over those k. CUDA: one Triton launch (ops/routing_triton.py; ties go to the lowest
+    expert index, as torch.topk's CUDA kernel does); elsewhere the torch ops."""
+    if x.is_cuda and FUSED_ROUTER:
+        from ops.routing_triton import route_gpt_oss
+
+        return route_gpt_oss(x.contiguous(), weight, bias, top_k)
+    logits = linear(x, weight, bias)  # [T, E]
+    top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
+    return top_idx, torch.softmax(top_val, dim=-1)
 
 
 def swiglu(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
