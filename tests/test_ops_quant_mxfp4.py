@@ -280,17 +280,18 @@ def test_mlx_packed_moe_equals_dequantised_reference(dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_fused_router_equals_torch_linear_topk_softmax(dtype):
+def test_cuda_fused_top_k_softmax_equals_torch_topk_softmax(dtype):
     """Same experts (ties included: two experts share weights) and scores within rounding."""
-    from ops.routing_triton import route_gpt_oss
+    from ops.routing_triton import top_k_softmax
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(37, 2880, generator=gen).to("cuda", dtype)
     w = (torch.randn(32, 2880, generator=gen) * 0.02).to("cuda", dtype)
     b = torch.randn(32, generator=gen).to("cuda", dtype)
     w[5], b[5] = w[4], b[4]  # exact ties between experts 4 and 5
-    idx, scores = route_gpt_oss(x, w, b, 4)
-    top_val, top_idx = torch.topk(torch.nn.functional.linear(x, w, b), 4)
+    logits = torch.nn.functional.linear(x, w, b)
+    idx, scores = top_k_softmax(logits, 4)
+    top_val, top_idx = torch.topk(logits, 4)
     got, order = idx.long().sort(-1)  # slot order among equal logits is free
     want, want_order = top_idx.sort(-1)
     assert torch.equal(got, want)

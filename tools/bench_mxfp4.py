@@ -238,10 +238,10 @@ def _peak(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device.startswith("cuda") else rss_bytes()
 
 
-GEMV_SWEEP = [((32, 8, 4, True), (16, 8, 4, True)), ((16, 8, 4, True), (16, 8, 4, True)),
-              ((64, 8, 4, True), (32, 8, 4, True)), ((64, 4, 8, True), (64, 4, 8, True)),
-              ((32, 16, 8, True), (32, 16, 8, True)),
-              ((16, 8, 4, False), (16, 8, 4, False))]  # fmt: skip
+GEMV_SWEEP = [((32, 32, 4, True), (16, 32, 4, True)), ((16, 8, 4, True), (16, 8, 4, True)),
+              ((64, 32, 4, True), (32, 32, 4, True)), ((32, 32, 8, True), (32, 32, 8, True)),
+              ((8, 128, 4, True), (8, 128, 4, True)),
+              ((32, 64, 8, True), (16, 64, 8, True))]  # fmt: skip
 GROUPED_SWEEP = [(128, 2, 4, 4, True), (128, 2, 4, 4, False), (64, 4, 4, 3, True),
                  (128, 4, 8, 3, True), (64, 2, 4, 4, True), (256, 2, 8, 3, True)]  # fmt: skip
 
@@ -249,8 +249,9 @@ GROUPED_SWEEP = [(128, 2, 4, 4, True), (128, 2, 4, 4, False), (64, 4, 4, 3, True
 def sweep(args) -> None:
     """Block configs of the packed MoE kernels (ops/quant/mxfp4_triton.py), timed in a CUDA graph
     on one gpt-oss-20b layer, each checked against the default config's output: the decode
-    formulation (gate_up and down (BLOCK_N, BLOCK_G, warps, WORDS)) up to 8 tokens, the grouped
-    one ((BLOCK_N, BLOCK_G, warps, stages, WORDS)) above (and its default at 8)."""
+    formulation (gate_up and down (BLOCK_N, BLOCK_G, warps, WORDS)) at the first token count,
+    the grouped one ((BLOCK_N, BLOCK_G, warps, stages, WORDS)) above GEMV_MAX_TOKENS, and both
+    formulations' defaults at the counts in between (where they cross over)."""
     from ops.quant.mxfp4_triton import GEMV_MAX_TOKENS, moe_experts_mxfp4
 
     dev = torch.device(args.device)
@@ -265,8 +266,10 @@ def sweep(args) -> None:
         hit = int(torch.unique(top).numel())
         want = moe_experts_mxfp4(x, top, scores, gu, gub, dn, dnb, 7.0, 1.702)
         cases = [("grouped", c) for c in GROUPED_SWEEP]
-        if t <= GEMV_MAX_TOKENS:
+        if t == args.tokens[0] and t <= GEMV_MAX_TOKENS:
             cases = [("gemv", c) for c in GEMV_SWEEP] + [("grouped", None)]
+        elif t <= 8:
+            cases = [("gemv", None), ("grouped", None)]
         for form, cfg in cases:
             run = functools.partial(moe_experts_mxfp4, x, top, scores, gu, gub, dn, dnb, 7.0,
                                     1.702, formulation=form, config=cfg)  # fmt: skip

@@ -47,7 +47,7 @@ FP4_E2M1_VALUES = (
 SCALE_BIAS = 127
 GROUP_SIZE = 32  # values per scale
 TILE_ELEMENTS = 1 << 21  # dequantised values alive at once in the tiled path (8 MiB in fp32)
-FUSED_ROUTER = True  # CUDA: route() in one Triton launch instead of linear + topk + softmax
+FUSED_ROUTER = True  # CUDA: route()'s top-k + softmax in one Triton launch (3 torch launches)
 
 
 @dataclass(frozen=True)
@@ -190,13 +190,13 @@ def moe_gpt_oss_mxfp4(
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int):
     """gpt-oss routing: (top_idx [T, k], scores [T, k]) = top-k of the router logits and the
-    softmax over those k. CUDA: one Triton launch (ops/routing_triton.py; ties go to the lowest
-    expert index, as torch.topk's CUDA kernel does); elsewhere the torch ops."""
-    if x.is_cuda and FUSED_ROUTER:
-        from ops.routing_triton import route_gpt_oss
-
-        return route_gpt_oss(x.contiguous(), weight, bias, top_k)
+    softmax over those k. CUDA: the top-k and softmax in one Triton launch (ops/routing_triton.py;
+    ties go to the lowest expert index, as torch.topk's CUDA kernel does); elsewhere torch ops."""
     logits = linear(x, weight, bias)  # [T, E]
+    if x.is_cuda and FUSED_ROUTER:
+        from ops.routing_triton import top_k_softmax
+
+        return top_k_softmax(logits, top_k)
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
     return top_idx, torch.softmax(top_val, dim=-1)
 
