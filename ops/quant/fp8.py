@@ -6,6 +6,9 @@ step streams 1 byte per weight instead of 2. Activations are quantized per token
 the fly, as vLLM's dynamic scheme does: s_x = max|x_row| / 448, one fused Triton kernel
 (ops/quant/fp8_triton.py) writes the fp8 row and its scale; the matmul applies s_x [M, 1] and the
 weight's per-channel s_w [1, N] to the fp32 accumulator (torch's row-wise scaling, bf16 output).
+Decode batches of up to WEIGHT_ONLY_MAX_ROWS rows skip the activation quantization: the Triton
+GEMV of ops/quant/gemv_triton.py streams the fp8 weight with bf16 activations (faster at a few
+rows, and no activation rounding).
 
 Everywhere else (CPU, a GPU without fp8 matmuls, a shape _scaled_mm refuses, block scales) the
 reference path runs: the weight is dequantised (fp8 -> fp32, times its scales, cast to the
@@ -29,11 +32,11 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_EPS = 1e-12  # an all-zero row gets this scale, not 0 (no 0 / 0)
 SCALED_MM_ALIGN = 16  # _scaled_mm needs K and N divisible by 16
-# up to this many rows (decode batches) CUDA runs the Triton weight-only kernel instead
-# (fp8 weights upcast in registers, activations unquantized): no quantize launch per linear
-# (measured at batch 1 on the H200: faster than _scaled_mm on both Llama geometries; larger
-# batches were not measured, so they keep the _scaled_mm path)
-WEIGHT_ONLY_MAX_ROWS = 1
+# up to this many rows (decode batches) CUDA runs the weight-only GEMV instead
+# (ops/quant/gemv_triton.py: fp8 weights upcast in registers, activations unquantized, no
+# quantize launch per linear); more rows take _scaled_mm. Chosen from tools/bench_fp8_linear.py
+# on the H200 (docs/performance-log.md)
+WEIGHT_ONLY_MAX_ROWS = 4
 
 
 class Fp8Weight(QuantizedLinearWeight):
@@ -58,9 +61,9 @@ class Fp8Weight(QuantizedLinearWeight):
         if not self.uses_scaled_mm:
             return F.linear(x, self.dequantize())
         if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-            from ops.quant.fp8_triton import weight_only_matmul
+            from ops.quant.gemv_triton import gemv
 
-            return weight_only_matmul(x, self.weight, self.scale)
+            return gemv(x, self.weight, self.scale)
         from ops.quant.fp8_triton import quantize_rows
 
         xq, x_scale = quantize_rows(x)  # [M, K] e4m3, [M, 1] fp32

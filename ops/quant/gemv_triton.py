@@ -1,0 +1,167 @@
+"""CUDA: one-row / few-row weight-only matmul (GEMV) for 1-byte weights, fp8 (e4m3) or int8, with
+per-output-channel scales: out[M, N] = (x[M, K] @ w[N, K].T) * s[N], x unquantized.
+
+Why a GEMV and not a tiled matmul: at decode (M <= a few rows) the product is bound by streaming
+the weight once, and a tensor-core tile (M padded to 16) leaves each program few bytes in flight.
+Here a program owns BLOCK_N output channels and a 1/SPLIT_K share of their rows, walked in
+BLOCK_K slices: [BLOCK_N, BLOCK_K] 1-byte loads, 16 contiguous bytes per thread (rows are
+K-contiguous), upcast to fp32 in registers, times the fp32 rows of x (every program reads the
+same x, from L2), fp32 accumulation; one row's products stay element-wise until the loop ends
+(one reduction per program), several rows reduce each slice. The scale multiplies the fp32 sum
+once per channel.
+
+Split-K (for narrow N, e.g. 2048 channels = 256 programs of 8: too few bytes in flight per SM):
+each program writes its fp32 partial sums to a workspace and bumps its column block's counter;
+the last of the SPLIT_K programs to arrive adds the partials (in split order, so the result does
+not depend on who arrives last), scales, writes the output and resets the counter to 0 for the
+next call. One launch, no memset, no second pass. The workspace and counters are allocated once
+per device (outside graph capture; a call captured before any eager call runs unsplit).
+No host sync; the grid depends on N and M only, so CUDA graphs capture it.
+
+Tiles (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) per shape come from `CONFIGS`, measured on the H200
+by tools/bench_fp8_linear.py (its sweep); `pick_config` falls back to a rule for shapes not
+measured; `set_configs` lets a benchmark try others.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 8  # BLOCK_M: the kernel keeps every row's accumulator in registers
+WORKSPACE_FLOATS = 2**22  # fp32 partials [SPLIT_K, BLOCK_M, N] of one split call (16 MiB)
+MAX_COUNTERS = 2**16  # column blocks of one split call
+# (BLOCK_M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT_K): the H200 sweep's best (module doc)
+CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@triton.jit
+def _load_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] weight slice and its [BLOCK_M, BLOCK_K] rows of x, raw (1-byte
+    weights stay packed in registers until used); ok False loads nothing (past the split)."""
+    if EVEN_K:  # rows past N load nothing and are never stored
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & ok)
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & ok, other=0.0)
+    else:
+        k_ok = (cols < K)[None, :] & ok
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok)
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+    return w, x
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, stride_xm,
+          stride_wn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = pid_k * k_split + tl.arange(0, BLOCK_K)  # k_split: a multiple of BLOCK_K (host)
+    n_ok = rn < N  # uniform along a row: the 16-byte loads stay vectorised
+    m_ok = rm < M
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    if BLOCK_M == 1:
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # register double buffering: the next slice's loads are issued before this slice's math, so
+    # each program keeps two tiles in flight (Triton's pipeliner leaves loads that feed no dot
+    # alone: num_stages changes nothing here, seen in the SASS)
+    w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk, n_ok, m_ok, K, k_split > 0, EVEN_K)
+    for k0 in range(0, k_split, BLOCK_K):
+        w, x = w_next, x_next
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk + k0 + BLOCK_K, n_ok, m_ok, K,
+                                     k0 + BLOCK_K < k_split, EVEN_K)  # fmt: skip
+        wf = w.to(tl.float32)
+        if not EVEN_K:  # columns past K: zero weights (an unloaded byte may read as an fp8 NaN)
+            wf = tl.where((rk + k0 < K)[None, :], wf, 0.0)
+        xf = x.to(tl.float32)
+        if BLOCK_M == 1:
+            acc1 += wf * xf  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]: reduced once, after the loop
+        else:
+            acc += tl.sum(xf[:, None, :] * wf[None, :, :], axis=2)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]  # [1, BLOCK_N]
+    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        ws = ws_ptr + rm[:, None] * N + rn[None, :]  # split s at ws + s * BLOCK_M * N
+        tl.store(ws + pid_k * BLOCK_M * N, acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partials stored before the release below
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last program of this column block
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):  # split order: the same sum whoever arrives last
+                total += tl.load(ws + s * BLOCK_M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, (total * scale).to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
+
+
+def block_rows(m: int) -> int:
+    """The BLOCK_M a batch of `m` rows compiles for (a power of two, 1..MAX_ROWS)."""
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows; got {m}")
+    return triton.next_power_of_2(m)
+
+
+def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, SPLIT_K) for an [m, k] @ [n, k].T product: the measured
+    table, else narrow tiles with 512-byte row slices, split 4 ways when N is narrow."""
+    found = CONFIGS.get((block_rows(m), n, k))
+    if found is not None:
+        return found
+    block_k = min(512, triton.next_power_of_2(k))
+    split = 4 if n <= 4096 and k % (4 * block_k) == 0 else 1
+    return (8 if n <= 8192 else 16), block_k, 4, split
+
+
+def set_configs(table: dict[tuple[int, int, int], tuple[int, int, int, int]]) -> None:
+    """Replace the config table (a benchmark's sweep result); shapes not in it take the rule."""
+    CONFIGS.clear()
+    CONFIGS.update(table)
+
+
+def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The device's split-K partials and counters (zeroed once; the kernel resets them), or None
+    inside a graph capture before any eager call made them (capture memory is the graph's)."""
+    found = _workspaces.get(device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if found is None and not capturing:
+        found = (torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
+                 torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device))  # fmt: skip
+        _workspaces[device] = found
+    return found
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config=None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16 / fp32, M <= MAX_ROWS) @ weight [N, K].T (e4m3 or int8) times
+    scale [N] -> [M, N] in x's dtype, fp32 accumulation. config: (BLOCK_N, BLOCK_K, num_warps,
+    SPLIT_K) to override the table (tools/bench_fp8_linear.py)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_m = block_rows(m)
+    block_n, block_k, warps, split = config or pick_config(m, n, k)
+    num_blocks = triton.cdiv(n, block_n)
+    if k % (split * block_k) or split * block_m * n > WORKSPACE_FLOATS or num_blocks > MAX_COUNTERS:
+        split = 1  # the split path needs whole slices per split and room for its partials
+    ws = _workspace(x.device) if split > 1 else None
+    if ws is None:
+        split, ws = 1, (x, x)  # unused by the unsplit kernel
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_split = k // split if split > 1 else k
+    _gemv[(num_blocks, split)](x, weight, scale, out, *ws, m, n, k, k_split, x.stride(0),
+                               weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                               BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k_split % block_k == 0,
+                               num_warps=warps)  # fmt: skip
+    return out
