@@ -146,12 +146,12 @@ def main() -> None:
             lines.append(row)
             table[key] = best
             print(json.dumps(row), flush=True)
+        if args.write_configs:  # after each row count: a run cut short keeps what it measured
+            with open(args.write_configs, "w") as f:
+                json.dump([[list(key), list(cfg)] for key, cfg in table.items()], f)
     if args.json:
         with open(args.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in lines)
-    if args.write_configs:
-        with open(args.write_configs, "w") as f:
-            json.dump([[list(key), list(cfg)] for key, cfg in table.items()], f)
     print(
         "shape rows: bf16 us | _scaled_mm us | gemv us (best tile, HBM frac) | int8 gemv / torch us"
     )
