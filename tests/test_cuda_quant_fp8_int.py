@@ -74,7 +74,7 @@ def test_scaled_mm_linear_equals_the_quantized_product_in_fp32(monkeypatch, m):
 def test_weight_only_fp8_kernel_equals_the_dequantised_matmul(monkeypatch, m):
     needs_fp8()
     from ops.quant import fp8
-    from ops.quant.gemv_triton import MAX_ROWS
+    from ops.quant.gemv_tiles import MAX_ROWS
 
     w = torch.randn(3072, 2048, device="cuda").bfloat16() * 0.02
     x = torch.randn(m, 2048, device="cuda").bfloat16()

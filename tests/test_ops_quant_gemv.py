@@ -77,7 +77,7 @@ def test_gemv_equals_the_dequantised_matmul_in_the_interpreter():
 
 def test_gemv_rejects_more_rows_than_it_holds():
     pytest.importorskip("triton")
-    from ops.quant.gemv_triton import MAX_ROWS, block_rows
+    from ops.quant.gemv_tiles import MAX_ROWS, block_rows
 
     assert [block_rows(m) for m in (1, 2, 3, 5, MAX_ROWS)] == [1, 2, 4, 8, MAX_ROWS]
     with pytest.raises(ValueError, match=f"gemv takes 1..{MAX_ROWS} rows; got {MAX_ROWS + 1}"):
@@ -100,23 +100,50 @@ def test_cuda_gemv_equals_the_dequantised_matmul(kind, m, n, k):
     assert torch.equal(gemv(x, w, s), got)
 
 
+TILE = (8, 256, 4, 1)
+
+
+def measured_tables(monkeypatch):
+    """A tile table measured for 2 and 4 rows of a [1024, 2048] weight, `_scaled_mm` faster at 4."""
+    from ops.quant import gemv_tiles
+
+    monkeypatch.setattr(gemv_tiles, "CONFIGS", {(2, 1024, 2048): TILE, (4, 1024, 2048): TILE})
+    monkeypatch.setattr(gemv_tiles, "SCALED_MM_FASTER", {(4, 1024, 2048)})
+
+
+def test_fp8_takes_the_gemv_where_the_table_measured_it_faster(monkeypatch):
+    from ops.quant.gemv_tiles import fp8_takes_gemv, pick_config
+
+    measured_tables(monkeypatch)
+    # rows: 1 unmeasured (one row: GEMV), 2 measured faster, 3 -> bucket 4 where _scaled_mm won,
+    # 5 -> bucket 8 unmeasured (past one row: _scaled_mm), 9 past the kernel
+    assert [fp8_takes_gemv(m, 1024, 2048, 8) for m in (1, 2, 3, 5, 9)] == [
+        True, True, False, False, False]  # fmt: skip
+    assert not fp8_takes_gemv(1, 1024, 2048, 0) and not fp8_takes_gemv(2, 1024, 2048, 1)
+    assert pick_config(2, 1024, 2048) == TILE
+    assert pick_config(1, 1024, 2048) == (8, 512, 4, 1)  # the rule, for a shape not measured
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_cuda_decode_matmuls_of_fp8_and_int8_weights_route_to_the_gemv(monkeypatch):
-    """Fp8Weight / Int8Weight at decode row counts call the GEMV (and equal the oracle); past
-    their thresholds they do not."""
+    """Fp8Weight takes the GEMV where the table says so (and equals the oracle), `_scaled_mm`
+    elsewhere; Int8Weight takes it up to INT8_GEMV_MAX_ROWS rows, torch's kernel past them."""
     from ops.quant import fp8, gemv_triton, int_linear
 
+    measured_tables(monkeypatch)
     calls = []
     real = gemv_triton.gemv
     monkeypatch.setattr(gemv_triton, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     w = torch.randn(1024, 2048, device="cuda").bfloat16() * 0.02
     f8, i8 = fp8.quantize_fp8(w), int_linear.quantize_int8(w)
-    for packed, limit, dense in (
-        (f8, fp8.WEIGHT_ONLY_MAX_ROWS, f8.weight.float() * f8.scale[:, None]),
-        (i8, int_linear.INT8_GEMV_MAX_ROWS, i8.qweight.float() * i8.scales.float()[:, None]),
-    ):
-        for m, routed in ((1, True), (limit, True), (limit + 1, False)):
+    limit = int_linear.INT8_GEMV_MAX_ROWS
+    for packed, dense, routes in (
+        (f8, f8.weight.float() * f8.scale[:, None], ((1, True), (2, True), (3, False), (5, False))),
+        (i8, i8.qweight.float() * i8.scales.float()[:, None], ((1, True), (limit, True),
+                                                               (limit + 1, False))),
+    ):  # fmt: skip
+        for m, routed in routes:
             calls.clear()
             x = torch.randn(m, 2048, device="cuda").bfloat16()
             got = ops.linear(x, packed)

@@ -253,7 +253,7 @@ def main() -> None:
                         "(ops.quant.fp8.WEIGHT_ONLY_MAX_ROWS; 0: always _scaled_mm)")  # fmt: skip
     parser.add_argument("--gemv-configs", default="",
                         help="JSON tile table from tools/bench_fp8_linear.py --write-configs "
-                        "(ops.quant.gemv_triton.set_configs) for the fp8 / int8 GEMV")  # fmt: skip
+                        "(ops.quant.gemv_tiles.set_configs) for the fp8 / int8 GEMV")  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s (H200 copy)")
     parser.add_argument("--new-lengths", default="", help="e.g. 301,517,999 ('' skips)")
     parser.add_argument("--label", default="", help="tag printed in every JSON row")
@@ -267,7 +267,7 @@ def main() -> None:
 
         fp8.WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_rows
     if args.gemv_configs:
-        from ops.quant.gemv_triton import set_configs
+        from ops.quant.gemv_tiles import set_configs
 
         table = json.loads(Path(args.gemv_configs).read_text())
         set_configs({tuple(key): tuple(cfg) for key, cfg in table})

@@ -6,9 +6,9 @@ before each call, so every weight comes from HBM as in a decode step), weight GB
 of the measured device-to-device copy bandwidth, and the ratio to bf16.
 
 Why: at batch 1 the fp8 decode step was no faster than bf16 (docs/performance-log.md, 2026-12-01
-23:20): this times the kernels alone, so the tile table (gemv_triton.CONFIGS) is measured, not
-guessed. --write-configs saves the best tiles as JSON; tools/bench_cuda_decode.py
---gemv-configs runs a model with them.
+23:20): this times the kernels alone, so the tile table and the GEMV-or-`_scaled_mm` choice in
+ops/quant/gemv_tiles.py are measured, not guessed. --write-configs saves the best tiles as JSON;
+tools/bench_cuda_decode.py --gemv-configs runs a model with them.
 
     PYTHONPATH=. python tools/bench_fp8_linear.py --rows 1,2,4,8 --write-configs /tmp/gemv.json
 """
@@ -80,7 +80,8 @@ def copy_bandwidth() -> float:
 
 def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tuple[dict, tuple]:
     from ops.quant import fp8
-    from ops.quant.gemv_triton import block_rows, gemv, pick_config
+    from ops.quant.gemv_tiles import block_rows, pick_config
+    from ops.quant.gemv_triton import gemv
     from ops.quant.int_linear import quantize_int8
 
     w = torch.randn(n, k, device="cuda").bfloat16() * 0.02

@@ -6,9 +6,9 @@ step streams 1 byte per weight instead of 2. Activations are quantized per token
 the fly, as vLLM's dynamic scheme does: s_x = max|x_row| / 448, one fused Triton kernel
 (ops/quant/fp8_triton.py) writes the fp8 row and its scale; the matmul applies s_x [M, 1] and the
 weight's per-channel s_w [1, N] to the fp32 accumulator (torch's row-wise scaling, bf16 output).
-Decode batches of up to WEIGHT_ONLY_MAX_ROWS rows skip the activation quantization: the Triton
-GEMV of ops/quant/gemv_triton.py streams the fp8 weight with bf16 activations (faster at a few
-rows, and no activation rounding).
+Decode batches skip the activation quantization where ops/quant/gemv_tiles.py measured it faster
+(every shape at one row): the Triton GEMV of ops/quant/gemv_triton.py streams the fp8 weight
+with bf16 activations, so those rows also carry no activation rounding.
 
 Everywhere else (CPU, a GPU without fp8 matmuls, a shape _scaled_mm refuses, block scales) the
 reference path runs: the weight is dequantised (fp8 -> fp32, times its scales, cast to the
@@ -26,17 +26,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ops.quant.gemv_tiles import fp8_takes_gemv
 from ops.quant.int_linear import QuantizedLinearWeight
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_EPS = 1e-12  # an all-zero row gets this scale, not 0 (no 0 / 0)
 SCALED_MM_ALIGN = 16  # _scaled_mm needs K and N divisible by 16
-# up to this many rows (decode batches) CUDA runs the weight-only GEMV instead
-# (ops/quant/gemv_triton.py: fp8 weights upcast in registers, activations unquantized, no
-# quantize launch per linear); more rows take _scaled_mm. Chosen from tools/bench_fp8_linear.py
-# on the H200 (docs/performance-log.md)
-WEIGHT_ONLY_MAX_ROWS = 4
+# decode batches of up to this many rows may run the weight-only GEMV instead (0: never):
+# ops/quant/gemv_triton.py, fp8 weights upcast in registers, activations unquantized, no
+# quantize launch; ops/quant/gemv_tiles.py says, per shape and row count, which one measured faster
+WEIGHT_ONLY_MAX_ROWS = 8
 
 
 class Fp8Weight(QuantizedLinearWeight):
@@ -60,7 +60,9 @@ class Fp8Weight(QuantizedLinearWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_scaled_mm:
             return F.linear(x, self.dequantize())
-        if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        if x.dtype in (torch.bfloat16, torch.float16) and fp8_takes_gemv(
+            x.shape[0], *self.shape, WEIGHT_ONLY_MAX_ROWS
+        ):
             from ops.quant.gemv_triton import gemv
 
             return gemv(x, self.weight, self.scale)

@@ -18,9 +18,8 @@ next call. One launch, no memset, no second pass. The workspace and counters are
 per device (outside graph capture; a call captured before any eager call runs unsplit).
 No host sync; the grid depends on N and M only, so CUDA graphs capture it.
 
-Tiles (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) per shape come from `CONFIGS`, measured on the H200
-by tools/bench_fp8_linear.py (its sweep); `pick_config` falls back to a rule for shapes not
-measured; `set_configs` lets a benchmark try others.
+Tiles (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) per shape come from ops/quant/gemv_tiles.py (measured
+on the H200 by tools/bench_fp8_linear.py's sweep, with a rule for shapes not measured).
 """
 
 from __future__ import annotations
@@ -29,11 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 8  # BLOCK_M: the kernel keeps every row's accumulator in registers
+from ops.quant.gemv_tiles import block_rows, pick_config
+
 WORKSPACE_FLOATS = 2**22  # fp32 partials [SPLIT_K, BLOCK_M, N] of one split call (16 MiB)
 MAX_COUNTERS = 2**16  # column blocks of one split call
-# (BLOCK_M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT_K): the H200 sweep's best (module doc)
-CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -104,30 +102,6 @@ def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, str
                 total += tl.load(ws + s * BLOCK_M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, (total * scale).to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
-
-
-def block_rows(m: int) -> int:
-    """The BLOCK_M a batch of `m` rows compiles for (a power of two, 1..MAX_ROWS)."""
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows; got {m}")
-    return triton.next_power_of_2(m)
-
-
-def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, SPLIT_K) for an [m, k] @ [n, k].T product: the measured
-    table, else narrow tiles with 512-byte row slices, split 4 ways when N is narrow."""
-    found = CONFIGS.get((block_rows(m), n, k))
-    if found is not None:
-        return found
-    block_k = min(512, triton.next_power_of_2(k))
-    split = 4 if n <= 4096 and k % (4 * block_k) == 0 else 1
-    return (8 if n <= 8192 else 16), block_k, 4, split
-
-
-def set_configs(table: dict[tuple[int, int, int], tuple[int, int, int, int]]) -> None:
-    """Replace the config table (a benchmark's sweep result); shapes not in it take the rule."""
-    CONFIGS.clear()
-    CONFIGS.update(table)
 
 
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -31,8 +31,9 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_INNER_K_TILES = 2
 MODES = ("int8", "int4")
 # CUDA: int8 linears of up to this many rows (decode) run the Triton GEMV
-# (ops/quant/gemv_triton.py); torch's `_weight_int8pack_mm` reached 81 tok/s at batch 1 on the
-# Llama-3.2-1B geometry on the H200 (docs/performance-log.md, 2026-12-01), ~15% of bf16
+# (ops/quant/gemv_triton.py): at one row torch's `_weight_int8pack_mm` took 5.7-21x its time on
+# the Llama-1B / 8B projections (H200, tools/bench_fp8_linear.py, docs/performance-log.md), and
+# the GEMV's 8-row time is 1.3-6.9x its 1-row time (torch's kernel at 8 rows was not timed)
 INT8_GEMV_MAX_ROWS = 8
 
 
