@@ -25,6 +25,10 @@ CASES = [(1, 40, 96, None), (3, 64, 512, None), (8, 20, 300, (8, 128, 4, 1)),
          (8, 20, 2048, (8, 256, 4, 8)), (1, 24, 300, (8, 128, 4, 2))]  # fmt: skip
 
 
+BLOCK_CASES = [(1, 200, 300, (128, 128), None), (3, 64, 512, (32, 64), (8, 512, 4, 1)),
+               (1, 96, 1024, (32, 128), (4, 1024, 8, 2)), (8, 40, 256, (16, 128), (8, 256, 4, 1))]  # fmt: skip
+
+
 def gemv_case(m, n, k, kind, dtype=torch.bfloat16, device="cpu", seed=0):
     """(x, packed weight, per-channel scale, fp32 oracle x @ dequantised(w).T)."""
     gen = torch.Generator().manual_seed(seed)
@@ -41,13 +45,25 @@ def gemv_case(m, n, k, kind, dtype=torch.bfloat16, device="cpu", seed=0):
     return x, packed, scale, want
 
 
+def block_case(m, n, k, block, device="cpu", seed=0):
+    """(x, e4m3 weight, block scales [ceil(n/bn), ceil(k/bk)], fp32 oracle), scales spread 16x."""
+    from ops.quant.fp8 import dequantize
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn).to(device)
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    scale = (2 ** (torch.rand(grid, generator=gen) * 4 - 2)).to(device)
+    return x, w, scale, x.float() @ dequantize(w, scale, block).T
+
+
 def rel_err(got, want) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
 INTERPRETER_CHECK = """
 import torch
-from test_ops_quant_gemv import CASES, gemv_case, rel_err
+from test_ops_quant_gemv import BLOCK_CASES, CASES, block_case, gemv_case, rel_err
 from ops.quant.gemv_triton import _workspaces, gemv
 for kind in ("fp8", "int8"):
     for i, (m, n, k, cfg) in enumerate(CASES):
@@ -63,6 +79,11 @@ for kind in ("fp8", "int8"):
     assert not counts.any()  # every split call reset its counters for the next one
     x, w, s, want = gemv_case(3, 24, 200, kind, dtype=torch.float32, seed=9)
     torch.testing.assert_close(gemv(x, w, s), want, rtol=1e-5, atol=1e-4)  # fp32: exact sums
+# block scales: ragged blocks at both edges, a tile wider than a block (sliced to it), split-K
+for i, (m, n, k, block, cfg) in enumerate(BLOCK_CASES):
+    x, w, s, want = block_case(m, n, k, block, seed=i)
+    got = gemv(x, w, s, cfg, block=block)
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1e-2, (m, n, k, block)
 print("ok")
 """
 
@@ -149,6 +170,21 @@ def test_cuda_decode_matmuls_of_fp8_and_int8_weights_route_to_the_gemv(monkeypat
             got = ops.linear(x, packed)
             assert bool(calls) == routed, (type(packed).__name__, m)
             assert rel_err(got, x.float() @ dense.T) < (6e-2 if not routed else 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 4])
+def test_cuda_block_scaled_fp8_decode_runs_the_gemv_and_equals_the_dequantised_matmul(m):
+    """A 128x128-block fp8 weight on CUDA: decode rows through the GEMV (not the per-matmul
+    dequantisation), equal to the fp32 product of the dequantised weight."""
+    from ops.quant.fp8 import Fp8Weight
+
+    x, w, s, want = block_case(m, 3072, 2048 + 64, (128, 128), device="cuda", seed=m)
+    packed = Fp8Weight(w, s, torch.bfloat16, (128, 128))
+    assert packed.uses_block_gemv and not packed.uses_scaled_mm
+    got = ops.linear(x, packed)
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < 5e-3
 
 
 @pytest.mark.gpu

@@ -10,8 +10,9 @@ Decode batches skip the activation quantization where ops/quant/gemv_tiles.py me
 (every shape at one row): the Triton GEMV of ops/quant/gemv_triton.py streams the fp8 weight
 with bf16 activations, so those rows also carry no activation rounding.
 
-Everywhere else (CPU, a GPU without fp8 matmuls, a shape _scaled_mm refuses, block scales) the
-reference path runs: the weight is dequantised (fp8 -> fp32, times its scales, cast to the
+Block scales on such a GPU: decode rows (up to 8) run the same GEMV with each slice's block scale
+applied in registers. Everywhere else (CPU, a GPU without fp8 matmuls, a shape _scaled_mm
+refuses, block-scaled prefill) the reference path runs: the weight is dequantised (fp8 -> fp32, times its scales, cast to the
 activation dtype) and multiplied densely in the activation dtype, with unquantized activations;
 it equals a dense model holding the dequantised weights bit for bit.
 
@@ -26,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ops.quant.gemv_tiles import fp8_takes_gemv
+from ops.quant.gemv_tiles import MAX_ROWS, fp8_takes_gemv
 from ops.quant.int_linear import QuantizedLinearWeight
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -54,15 +55,21 @@ class Fp8Weight(QuantizedLinearWeight):
         self.weight, self.block = weight, block
         self.scale = scale.to(device=weight.device, dtype=torch.float32).contiguous()
         self.uses_scaled_mm = block is None and can_scaled_mm(self.device, *weight.shape)
+        # block scales on an fp8 GPU: decode rows run the GEMV with the block scales applied
+        # per slice (the reference path would dequantise the whole weight at every matmul)
+        self.uses_block_gemv = block is not None and device_fp8_support(self.device) is None
         if self.uses_scaled_mm:
             self.scale_row = self.scale.view(1, -1)  # [1, N] for row-wise scaling
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        is_half = x.dtype in (torch.bfloat16, torch.float16)
+        if self.uses_block_gemv and is_half and x.shape[0] <= min(WEIGHT_ONLY_MAX_ROWS, MAX_ROWS):
+            from ops.quant.gemv_triton import gemv
+
+            return gemv(x, self.weight, self.scale, block=self.block)
         if not self.uses_scaled_mm:
             return F.linear(x, self.dequantize())
-        if x.dtype in (torch.bfloat16, torch.float16) and fp8_takes_gemv(
-            x.shape[0], *self.shape, WEIGHT_ONLY_MAX_ROWS
-        ):
+        if is_half and fp8_takes_gemv(x.shape[0], *self.shape, WEIGHT_ONLY_MAX_ROWS):
             from ops.quant.gemv_triton import gemv
 
             return gemv(x, self.weight, self.scale)

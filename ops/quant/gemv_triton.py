@@ -51,8 +51,11 @@ def _load_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, stride_xm,
-          stride_wn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+          stride_wn, stride_om, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+          SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):  # fmt: skip
+    # SCALE_BK == 0: one scale per channel, s[N]; else one per (SCALE_BN, SCALE_BK) block,
+    # s[ceil(N / SCALE_BN), ceil(K / SCALE_BK)] (row stride stride_sn), BLOCK_K dividing SCALE_BK
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,6 +80,10 @@ def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, str
         w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk + k0 + BLOCK_K, n_ok, m_ok, K,
                                      k0 + BLOCK_K < k_split, EVEN_K)  # fmt: skip
         wf = w.to(tl.float32)
+        if SCALE_BK > 0:  # a slice lies inside one block column: one scale per channel row
+            kb = (pid_k * k_split + k0) // SCALE_BK
+            s_blk = tl.load(s_ptr + (rn // SCALE_BN) * stride_sn + kb, mask=n_ok, other=0.0)
+            wf = wf * s_blk[:, None]
         if not EVEN_K:  # columns past K: zero weights (an unloaded byte may read as an fp8 NaN)
             wf = tl.where((rk + k0 < K)[None, :], wf, 0.0)
         xf = x.to(tl.float32)
@@ -88,7 +95,10 @@ def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, str
         acc = tl.sum(acc1, axis=1)[None, :]  # [1, BLOCK_N]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     out_ok = m_ok[:, None] & n_ok[None, :]
-    scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SCALE_BK > 0:
+        scale = 1.0  # applied per slice above
+    else:
+        scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
@@ -104,6 +114,13 @@ def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, str
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 
+def block_slices(block_n: int, block_k: int, scale_bk: int) -> tuple[int, int]:
+    """A per-channel tile reshaped for block scales: slices no wider than (and dividing) the
+    scale block's columns, with more channels so a slice keeps its bytes (and registers)."""
+    narrow = min(block_k, scale_bk & -scale_bk)  # the largest power of two dividing scale_bk
+    return block_n * (block_k // narrow), narrow
+
+
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The device's split-K partials and counters (zeroed once; the kernel resets them), or None
     inside a graph capture before any eager call made them (capture memory is the graph's)."""
@@ -116,16 +133,23 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None
     return found
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config=None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config=None, block=None
+) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, M <= MAX_ROWS) @ weight [N, K].T (e4m3 or int8) times
-    scale [N] -> [M, N] in x's dtype, fp32 accumulation. config: (BLOCK_N, BLOCK_K, num_warps,
-    SPLIT_K) to override the table (tools/bench_fp8_linear.py)."""
+    scale [N] -> [M, N] in x's dtype, fp32 accumulation. block (bn, bk): scale holds one fp32
+    value per (bn, bk) block of the weight, [ceil(N / bn), ceil(K / bk)] (fp8 checkpoints'
+    `weight_block_size`). config: (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) to override the table
+    (tools/bench_fp8_linear.py)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_m = block_rows(m)
     block_n, block_k, warps, split = config or pick_config(m, n, k)
+    scale_bn, scale_bk = block or (0, 0)
+    if block is not None:
+        block_n, block_k = block_slices(block_n, block_k, scale_bk)
     num_blocks = triton.cdiv(n, block_n)
     if k % (split * block_k) or split * block_m * n > WORKSPACE_FLOATS or num_blocks > MAX_COUNTERS:
         split = 1  # the split path needs whole slices per split and room for its partials
@@ -135,7 +159,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config=None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_split = k // split if split > 1 else k
     _gemv[(num_blocks, split)](x, weight, scale, out, *ws, m, n, k, k_split, x.stride(0),
-                               weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k_split % block_k == 0,
-                               num_warps=warps)  # fmt: skip
+                               weight.stride(0), out.stride(0), scale.stride(0), BLOCK_M=block_m,
+                               BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                               EVEN_K=k_split % block_k == 0, SCALE_BN=scale_bn,
+                               SCALE_BK=scale_bk, num_warps=warps)  # fmt: skip
     return out
