@@ -1,5 +1,6 @@
 """CUDA: one-row / few-row weight-only matmul (GEMV) for 1-byte weights, fp8 (e4m3) or int8, with
-per-output-channel scales: out[M, N] = (x[M, K] @ w[N, K].T) * s[N], x unquantized.
+per-output-channel scales: out[M, N] = (x[M, K] @ w[N, K].T) * s[N], x unquantized (or fp8
+with 2-D block scales, applied per slice).
 
 Why a GEMV and not a tiled matmul: at decode (M <= a few rows) the product is bound by streaming
 the weight once, and a tensor-core tile (M padded to 16) leaves each program few bytes in flight.
@@ -8,9 +9,11 @@ BLOCK_K slices: [BLOCK_N, BLOCK_K] 1-byte loads, 16 contiguous bytes per thread 
 K-contiguous), upcast to fp32 in registers, times the fp32 rows of x (every program reads the
 same x, from L2), fp32 accumulation; one row's products stay element-wise until the loop ends
 (one reduction per program), several rows reduce each slice. The scale multiplies the fp32 sum
-once per channel.
+once per channel. The next slice is loaded before the current one is used (two in flight per
+program). Measured at one row (H200): 0.54-0.72 of the copy bandwidth on the large matrices,
+0.13-0.44 on the small, launch-bound ones (docs/performance-log.md, 2026-12-02).
 
-Split-K (for narrow N, e.g. 2048 channels = 256 programs of 8: too few bytes in flight per SM):
+Split-K (for narrow N with few programs; it won the narrow shapes at 2-8 rows, none at one row):
 each program writes its fp32 partial sums to a workspace and bumps its column block's counter;
 the last of the SPLIT_K programs to arrive adds the partials (in split order, so the result does
 not depend on who arrives last), scales, writes the output and resets the counter to 0 for the
