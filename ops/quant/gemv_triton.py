@@ -18,7 +18,8 @@ each program writes its fp32 partial sums to a workspace and bumps its column bl
 the last of the SPLIT_K programs to arrive adds the partials (in split order, so the result does
 not depend on who arrives last), scales, writes the output and resets the counter to 0 for the
 next call. One launch, no memset, no second pass. The workspace and counters are allocated once
-per device (outside graph capture; a call captured before any eager call runs unsplit).
+per device (outside graph capture; a call captured before any eager call runs unsplit), so split
+calls on one device must be ordered (one stream, as the engine's steps are), never concurrent.
 No host sync; the grid depends on N and M only, so CUDA graphs capture it.
 
 Tiles (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) per shape come from ops/quant/gemv_tiles.py (measured
