@@ -251,6 +251,9 @@ def main() -> None:
     parser.add_argument("--fp8-weight-only-rows", type=int, default=None,
                         help="fp8: batches up to this many rows use the Triton weight-only kernel "
                         "(ops.quant.fp8.WEIGHT_ONLY_MAX_ROWS; 0: always _scaled_mm)")  # fmt: skip
+    parser.add_argument("--gemv-configs", default="",
+                        help="JSON tile table from tools/bench_fp8_linear.py --write-configs "
+                        "(ops.quant.gemv_tiles.set_configs) for the fp8 / int8 GEMV")  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s (H200 copy)")
     parser.add_argument("--new-lengths", default="", help="e.g. 301,517,999 ('' skips)")
     parser.add_argument("--label", default="", help="tag printed in every JSON row")
@@ -263,6 +266,11 @@ def main() -> None:
         from ops.quant import fp8
 
         fp8.WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_rows
+    if args.gemv_configs:
+        from ops.quant.gemv_tiles import set_configs
+
+        table = json.loads(Path(args.gemv_configs).read_text())
+        set_configs({tuple(key): tuple(cfg) for key, cfg in table})
     tmp = Path(tempfile.mkdtemp(prefix="bench_cuda_"))
     t0 = time.perf_counter()
     engine = Engine(write_checkpoint(args.geometry, tmp / args.geometry), device="cuda",
@@ -306,6 +314,7 @@ def main() -> None:
                                   graphs=graphs, load_s=round(load_s, 1),
                                   quantization=args.quantization,
                                   fp8_weight_only_rows=args.fp8_weight_only_rows,
+                                  gemv_configs=args.gemv_configs or None,
                                   weights_gib=round(quantized_bytes(engine.runner.model)[0] / 2**30
                                                     + dense_gib(engine.runner.model), 3),
                                   allocated_after_load_gib=round(weights_gib, 2),
