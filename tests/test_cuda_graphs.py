@@ -9,8 +9,11 @@ import pytest
 import torch
 from engine_helpers import hf_greedy, run_staggered, save_engine_checkpoint
 
+from ops.sampling.batch import SamplingBatch
+from ops.sampling.sampler import sample
 from torch_runner import Engine, SamplingParams
-from torch_runner.runner.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
+from torch_runner.runner.cuda_graphs import DecodeGraphs, batch_buckets, greedy_tokens, key_bucket
+from torch_runner.runner.model_runner import _is_plain_greedy
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # contexts from 2 to ~60 tokens: with block size 4 and min_keys 8 the key width crosses the
@@ -59,6 +62,7 @@ def test_static_decode_logits_equal_the_eager_path(llama):
     engine = _engine(path)
     runner = engine.runner
     graphs = _static(engine)
+    runner.graph_sampling = False  # every decode group through _forward_group, compared below
     eager_forward = runner._forward_group
     seen = set()
 
@@ -99,6 +103,128 @@ def test_static_decode_greedy_tokens_equal_transformers(llama):
         assert tokens == hf_greedy(hf, prompt, m), prompt
 
 
+def _logits_with_bad_rows(rows: int, vocab: int, dtype) -> torch.Tensor:
+    """Random logits with many ties (rounded), a NaN, a +inf, an all -inf and an all-NaN row."""
+    gen = torch.Generator().manual_seed(rows + vocab)
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).round().to(dtype)
+    logits[1, 5], logits[2, 7], logits[3], logits[4] = float("nan"), float("inf"), -float("inf"), float("nan")  # fmt: skip
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_the_samplers_greedy_pick_and_flag_non_finite_rows(dtype):
+    """greedy_tokens == ops.sample over an all-greedy batch (first index on ties), with
+    model_runner's non-finite flag (-1 where a row holds NaN/inf)."""
+    logits = _logits_with_bad_rows(7, 300, dtype)
+    params = [SamplingParams(temperature=0.0)] * 7
+    batch = SamplingBatch.build(params, [[1]] * 7, [[]] * 7, 300, "cpu")
+    want = sample(logits, batch, torch.arange(7)).token_ids
+    tokens, picks = greedy_tokens(logits)
+    assert torch.equal(picks, want)
+    is_finite = torch.tensor([r not in (1, 2, 3, 4) for r in range(7)])
+    assert torch.equal(tokens, torch.where(is_finite, want, -1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(1, 128256), (5, 300), (64, 4097), (256, 32000)])
+def test_greedy_pick_kernel_equals_the_reference(shape):
+    from ops.fused.triton_kernels import greedy_pick
+
+    logits = _logits_with_bad_rows(*shape, torch.bfloat16) if shape[0] > 4 else None
+    if logits is None:
+        logits = torch.randn(shape).round().to(torch.bfloat16)
+    cpu = greedy_tokens(logits)
+    cuda = greedy_pick(logits.cuda())
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(cuda, cpu))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.0),
+        dict(temperature=0.0, seed=3, top_k=5, stop=["x"], max_tokens=4),
+        dict(temperature=0.0, logprobs=True),
+        dict(temperature=0.0, logit_bias={3: 1.0}),
+        dict(temperature=0.0, repetition_penalty=1.2),
+        dict(temperature=0.0, presence_penalty=0.5),
+        dict(temperature=0.0, min_tokens=2),
+        dict(temperature=0.7),
+        dict(temperature=0.7, top_p=0.9),
+    ],
+)
+def test_plain_greedy_rows_are_those_the_sampler_builds_nothing_for(params):
+    p = SamplingParams(**params)
+    batch = SamplingBatch.build([p, p], [[1, 2], [3]], [[4], []], 50, "cpu", eos_token_ids=[2])
+    builds_nothing = (
+        batch.greedy is not None
+        and batch.greedy.rows is None
+        and batch.penalties is None
+        and batch.logit_edits is None
+        and not batch.needs_logprobs
+    )
+    assert _is_plain_greedy(p) == builds_nothing
+
+
+def _spy(graphs, record):
+    """Wrap graphs.forward; returns the list of record(*args, **kwargs) of every call."""
+    seen, forward = [], graphs.forward
+
+    def spy(*args, **kwargs):
+        seen.append(record(*args, **kwargs))
+        return forward(*args, **kwargs)
+
+    graphs.forward = spy
+    return seen
+
+
+def test_greedy_graph_steps_equal_the_eager_sampler_and_transformers(llama):
+    """All-greedy decode steps pick inside the (eager on CPU) static forward; a batch with a
+    seeded sampled row takes the sampler. Tokens equal the engine without the static decode."""
+    path, hf = llama
+    seeded = [SamplingParams(max_tokens=m, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
+    for mixed in (False, True):
+        params = [SamplingParams(max_tokens=m, **GREEDY) for m in MAX_TOKENS]
+        if mixed:
+            params[1] = seeded[1]
+        want = run_staggered(_engine(path), PROMPTS, params, arrive_at=(4, 9))
+        engine = _engine(path)
+        graphs = _static(engine)
+        calls = _spy(graphs, lambda *a, **k: k.get("greedy_vocab"))
+        got = run_staggered(engine, PROMPTS, params, arrive_at=(4, 9))
+        assert got == want
+        assert engine.runner.vocab_size in calls  # the greedy graph path ran
+        if not mixed:
+            for prompt, tokens, m in zip(PROMPTS, got, MAX_TOKENS):
+                assert tokens == hf_greedy(hf, prompt, m), prompt
+        else:
+            assert None in calls  # steps holding the sampled row took the sampler
+
+
+def test_overlapped_greedy_graph_steps_chain_on_picks_and_end_a_non_finite_row(llama):
+    """Overlapped (chained rows read the previous step's picks) and with NaN logits in one row:
+    that request ends with an error, its batchmates equal the synchronous eager engine."""
+    path, _ = llama
+    prompts = [[5, 6, 7, 8], [1, 2, 77, 3], list(range(20, 41))]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+
+    def run(engine):
+        def hook(module, inputs, output):
+            return output.masked_fill((inputs[0] == 77)[..., None], float("nan"))
+
+        engine.runner.model.model.embed_tokens.register_forward_hook(hook)
+        outs = engine.generate(prompts, params)
+        return [(o.token_ids, o.finish_reason) for o in outs]
+
+    want = run(_engine(path, enable_prefix_caching=False))
+    engine = _engine(path, enable_prefix_caching=False, async_scheduling=True)
+    graphs = _static(engine)
+    chained = _spy(graphs, lambda group, tokens=None, future=None, **k: future is not None)
+    assert run(engine) == want
+    assert want[1] == ([], "error") and sum(chained) > 5
+
+
 def test_graphs_stay_off_on_cpu_and_with_enforce_eager(llama):
     path, _ = llama
     assert _engine(path).runner.decode_graphs is None  # CPU: eager
@@ -120,14 +246,17 @@ def test_cuda_graph_replay_equals_eager(llama):
     assert len(graphs.graphs) >= 4  # several (batch, key) buckets were captured and replayed
     for prompt, tokens, m in zip(PROMPTS, replayed, MAX_TOKENS):
         assert tokens == hf_greedy(hf, prompt, m), prompt
-    # replay and the same static forward run eagerly give the same hidden state
-    (rows, keys), (graph, inputs, hidden) = next(iter(engine.runner.decode_graphs.graphs.items()))
+    # all-greedy steps replayed graphs that pick the tokens; replay and the same static forward
+    # run eagerly pick the same ones
+    (rows, keys, vocab), (graph, inputs, out) = next(iter(graphs.graphs.items()))
+    assert vocab == engine.runner.vocab_size
     graph.replay()
-    from torch_runner.runner.cuda_graphs import static_decode
+    from torch_runner.runner.cuda_graphs import static_greedy
 
     r = engine.runner
-    again = static_decode(r.model, r.pool, r.full_layers, len(r.args.layer_types), inputs, keys)
-    torch.testing.assert_close(hidden, again, rtol=1e-5, atol=1e-5)
+    again = static_greedy(r.model, r.pool, r.full_layers, len(r.args.layer_types), inputs, keys,
+                          vocab)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(out, again))
 
 
 @pytest.mark.gpu

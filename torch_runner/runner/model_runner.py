@@ -151,6 +151,8 @@ class ModelRunner:
         if is_cpu and supports_fast_decode(self.model, self.args):
             reduce = None if tensor_parallel is None else tensor_parallel.group.all_reduce
             self.fast_decode = FlatDecoder(self.model, reduce)
+        # all-greedy decode steps pick their tokens inside the graph (False: the eager sampler)
+        self.graph_sampling = True
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.random_seed)
         # the last launched step's sampled tokens [M] (on the device) and each request's row:
@@ -295,6 +297,9 @@ class ModelRunner:
 
         grammar_rows(sampled_chunks) -> list of additive [V] rows or None (structured output).
         """
+        launched = self._launch_greedy_graph(chunks)
+        if launched is not None:
+            return launched
         forward = self.forward_logits(chunks)
         if forward is None:
             return LaunchedStep([])
@@ -323,6 +328,35 @@ class ModelRunner:
         # the next step's chained rows read the sampler's ids (always valid vocabulary ids)
         self._future = (out.token_ids, {s.request_id: i for i, s in enumerate(seqs)})
         return LaunchedStep(seqs, token_ids, out.logprobs, out.top_logprobs)
+
+    def _launch_greedy_graph(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
+        """A pure-decode step whose every row is plain greedy (no logprobs, logit edits,
+        penalties or grammar): the decode graph also runs the lm_head and the greedy pick
+        (cuda_graphs.py `greedy_tokens`), so the step is one replay. None: not such a step."""
+        graphs = self.decode_graphs
+        if graphs is None or not self.graph_sampling or not graphs.can_run(chunks):
+            return None
+        if not all(c.is_sampled and _is_plain_greedy(c.seq.params) for c in chunks):
+            return None
+        seqs = [c.seq for c in chunks]
+        tokens = [self._input_tokens(c)[0] for c in chunks]
+        future = self._future[0] if any(_is_chained(c) for c in chunks) else None
+        token_ids, picks = graphs.forward(chunks, tokens, future, greedy_vocab=self.vocab_size)
+        self._future = (picks, {s.request_id: i for i, s in enumerate(seqs)})
+        return LaunchedStep(seqs, token_ids)
+
+
+def _is_plain_greedy(params) -> bool:
+    """Rows the sampler takes through its greedy fast path with nothing else to compute:
+    SamplingBatch.build makes no tensor for them (tests/test_cuda_graphs.py checks the two agree)."""
+    return (
+        params.is_greedy
+        and not params.logprobs
+        and not params.logit_bias
+        and not params.has_penalties
+        and not params.min_tokens  # (min_tokens bans EOS through logit edits)
+        and params.structured is None
+    )
 
 
 def _is_chained(chunk) -> bool:
