@@ -12,8 +12,9 @@ from engine_helpers import hf_greedy, run_staggered, save_engine_checkpoint
 from ops.sampling.batch import SamplingBatch
 from ops.sampling.sampler import sample
 from torch_runner import Engine, SamplingParams
-from torch_runner.runner.cuda_graphs import DecodeGraphs, batch_buckets, greedy_tokens, key_bucket
-from torch_runner.runner.model_runner import _is_plain_greedy
+from torch_runner.runner.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
+from torch_runner.runner.graph_head import GraphHead, greedy_tokens
+from torch_runner.runner.model_runner import _is_graph_sampled
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # contexts from 2 to ~60 tokens: with block size 4 and min_keys 8 the key width crosses the
@@ -140,30 +141,33 @@ def test_greedy_pick_kernel_equals_the_reference(shape):
 
 
 @pytest.mark.parametrize(
-    "params",
+    "params,deterministic,head",
     [
-        dict(temperature=0.0),
-        dict(temperature=0.0, seed=3, top_k=5, stop=["x"], max_tokens=4),
-        dict(temperature=0.0, logprobs=True),
-        dict(temperature=0.0, logit_bias={3: 1.0}),
-        dict(temperature=0.0, repetition_penalty=1.2),
-        dict(temperature=0.0, presence_penalty=0.5),
-        dict(temperature=0.0, min_tokens=2),
-        dict(temperature=0.7),
-        dict(temperature=0.7, top_p=0.9),
+        (dict(temperature=0.0), False, "greedy"),
+        (dict(temperature=0.0, seed=3, top_k=5, stop=["x"], max_tokens=4), False, "greedy"),
+        (dict(temperature=0.0, logprobs=True), False, None),
+        (dict(temperature=0.0, logit_bias={3: 1.0}), False, None),
+        (dict(temperature=0.0, repetition_penalty=1.2), False, None),
+        (dict(temperature=0.0, presence_penalty=0.5), False, None),
+        (dict(temperature=0.0, min_tokens=2), False, None),
+        (dict(temperature=0.7), False, None),  # unseeded: the generator, eager
+        (dict(temperature=0.7), True, "plain"),  # deterministic: seed 42
+        (dict(temperature=0.7, seed=1), False, "plain"),
+        (dict(temperature=0.7, top_p=0.9, seed=1), False, "filtering"),
+        (dict(temperature=0.7, top_k=20, seed=1, min_p=0.1), False, "filtering"),
+        (dict(temperature=0.7, top_k=20, seed=1, logprobs=True), False, None),
+        (dict(temperature=0.7, seed=1, min_tokens=1), False, None),
     ],
 )
-def test_plain_greedy_rows_are_those_the_sampler_builds_nothing_for(params):
+def test_graph_sampled_rows_are_those_a_graph_head_takes(params, deterministic, head):
+    """_is_graph_sampled (decided before the forward, from the params) admits exactly the rows
+    whose SamplingBatch gets a graph head."""
     p = SamplingParams(**params)
-    batch = SamplingBatch.build([p, p], [[1, 2], [3]], [[4], []], 50, "cpu", eos_token_ids=[2])
-    builds_nothing = (
-        batch.greedy is not None
-        and batch.greedy.rows is None
-        and batch.penalties is None
-        and batch.logit_edits is None
-        and not batch.needs_logprobs
-    )
-    assert _is_plain_greedy(p) == builds_nothing
+    batch = SamplingBatch.build([p, p], [[1, 2], [3]], [[4], []], 50, "cpu",
+                                deterministic=deterministic, eos_token_ids=[2])  # fmt: skip
+    got = GraphHead.for_batch(batch, 50)
+    assert _is_graph_sampled(p, deterministic) == (got is not None)
+    assert (got and got.kind) == head
 
 
 def _spy(graphs, record):
@@ -191,15 +195,64 @@ def test_greedy_graph_steps_equal_the_eager_sampler_and_transformers(llama):
         want = run_staggered(_engine(path), PROMPTS, params, arrive_at=(4, 9))
         engine = _engine(path)
         graphs = _static(engine)
-        calls = _spy(graphs, lambda *a, **k: k.get("greedy_vocab"))
+        calls = _spy(graphs, lambda g, t=None, f=None, head=None, batch=None: head)
         got = run_staggered(engine, PROMPTS, params, arrive_at=(4, 9))
         assert got == want
-        assert engine.runner.vocab_size in calls  # the greedy graph path ran
+        assert GraphHead(engine.runner.vocab_size, "greedy") in calls  # the greedy graph path
         if not mixed:
             for prompt, tokens, m in zip(PROMPTS, got, MAX_TOKENS):
                 assert tokens == hf_greedy(hf, prompt, m), prompt
         else:
             assert None in calls  # steps holding the sampled row took the sampler
+
+
+SEEDED = {
+    "filtering": lambda i, m: SamplingParams(
+        max_tokens=m, temperature=0.9, top_p=0.8, top_k=40, seed=7 + i, ignore_eos=True
+    ),  # fmt: skip
+    "plain": lambda i, m: SamplingParams(max_tokens=m, temperature=1.3, seed=i, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("kind", ["filtering", "plain", "deterministic"])
+def test_seeded_graph_steps_sample_what_the_eager_sampler_samples(llama, kind):
+    """All rows seeded on one path (or the deterministic mode's default seed): the static
+    forward samples inside (a graph head with per-row inputs); the tokens equal the engine
+    without the static decode, overlapped too (chained rows read the picks)."""
+    path, _ = llama
+    make = SEEDED.get(kind, lambda i, m: SamplingParams(max_tokens=m, temperature=0.8,
+                                                        ignore_eos=True))  # fmt: skip
+    params = [make(i, m) for i, m in enumerate(MAX_TOKENS)]
+    extra = dict(enable_deterministic_inference=True) if kind == "deterministic" else {}
+    want = run_staggered(_engine(path, **extra), PROMPTS, params, arrive_at=(4, 9))
+    assert want != run_staggered(_engine(path, **extra), PROMPTS, params[::-1], arrive_at=(4, 9))
+    for overlap in (False, True):
+        engine = _engine(path, async_scheduling=overlap, **extra)
+        heads = _spy(_static(engine), lambda g, t=None, f=None, head=None, batch=None: head)
+        assert run_staggered(engine, PROMPTS, params, arrive_at=(4, 9)) == want
+        assert {h.kind for h in heads if h is not None} == {
+            "plain" if kind != "filtering" else kind
+        }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["filtering", "plain", "greedy"])
+def test_cuda_graph_heads_sample_what_the_eager_sampler_samples(llama, kind):
+    """On CUDA: the same graphs' hidden states sampled inside the graph or by the eager
+    sampler give the same tokens (seeded rows: the hash contract; greedy: the Triton pick)."""
+    path, _ = llama
+    make = SEEDED.get(kind, lambda i, m: SamplingParams(max_tokens=m, **GREEDY))
+    params = [make(i, m) for i, m in enumerate(MAX_TOKENS)]
+    runs = []
+    for inside in (False, True):
+        engine = _engine(path, device="cuda", cuda_graph_max_bs=8, async_scheduling=True)
+        engine.runner.graph_sampling = inside
+        engine.runner.decode_graphs.min_keys = 8
+        runs.append(run_staggered(engine, PROMPTS, params, arrive_at=(4, 9)))
+        heads = {key[2] for key in engine.runner.decode_graphs.graphs}
+        assert (heads != {None}) == inside
+    assert runs[0] == runs[1]
 
 
 def test_overlapped_greedy_graph_steps_chain_on_picks_and_end_a_non_finite_row(llama):
@@ -220,7 +273,7 @@ def test_overlapped_greedy_graph_steps_chain_on_picks_and_end_a_non_finite_row(l
     want = run(_engine(path, enable_prefix_caching=False))
     engine = _engine(path, enable_prefix_caching=False, async_scheduling=True)
     graphs = _static(engine)
-    chained = _spy(graphs, lambda group, tokens=None, future=None, **k: future is not None)
+    chained = _spy(graphs, lambda group, tokens=None, future=None, *a: future is not None)
     assert run(engine) == want
     assert want[1] == ([], "error") and sum(chained) > 5
 
@@ -248,14 +301,14 @@ def test_cuda_graph_replay_equals_eager(llama):
         assert tokens == hf_greedy(hf, prompt, m), prompt
     # all-greedy steps replayed graphs that pick the tokens; replay and the same static forward
     # run eagerly pick the same ones
-    (rows, keys, vocab), (graph, inputs, out) = next(iter(graphs.graphs.items()))
-    assert vocab == engine.runner.vocab_size
+    (rows, keys, head), (graph, inputs, _, out) = next(iter(graphs.graphs.items()))
+    assert head == GraphHead(engine.runner.vocab_size, "greedy")
     graph.replay()
-    from torch_runner.runner.cuda_graphs import static_greedy
+    from torch_runner.runner.cuda_graphs import static_head
 
     r = engine.runner
-    again = static_greedy(r.model, r.pool, r.full_layers, len(r.args.layer_types), inputs, keys,
-                          vocab)  # fmt: skip
+    again = static_head(r.model, r.pool, r.full_layers, len(r.args.layer_types), inputs, keys,
+                        head, None)  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(out, again))
 
 

@@ -15,9 +15,9 @@ launch, but only for fixed shapes and fixed buffer addresses. So a pure-decode g
 - all inputs live in one int64 buffer per graph, [B, 4 + S / block_size] =
   (token id, position, kv_len, write slot, block table...), filled by one host-to-device copy.
 
-A step whose rows are all plain greedy (model_runner.py decides) replays a graph that also runs
-the lm_head and the greedy pick (`greedy_tokens`): no logits leave the graph and the step is one
-launch (1B batch 1 on an H200: the eager argmax alone took 28 us of a 1.15 ms step).
+A step whose sampling allows it (all rows greedy, or all on one seeded random path; model_runner
+decides, graph_head.py says which) replays a graph that also runs the lm_head and the sampler: no
+logits leave the graph and the step is one launch.
 
 `static_decode` is that forward as a plain function: on CPU the tests run it eagerly and
 compare it with the eager path; on CUDA `DecodeGraphs` captures it once per (batch bucket,
@@ -34,17 +34,15 @@ import time
 import torch
 
 from models.layers import GatedMLP
-from ops.fused import kernels_for
 from ops.moe import is_capturable
 from ops.paged_attention import impl_for as paged_impl_for
 from ops.rope import rope_kv_write
 from torch_runner.kv.caches import PagedKVPool, decode_from_pool
+from torch_runner.runner.graph_head import GraphHead, HeadInputs, run_head
 from torch_runner.runner.launched import resolve_placeholders
 
 logger = logging.getLogger(__name__)
 
-NON_FINITE_TOKEN = -1  # launched.py's marker of a row whose logits were not all finite
-_FLOAT_MAX = torch.finfo(torch.float32).max
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_KEYS = 64  # smallest key bucket: short contexts share one graph
@@ -101,24 +99,12 @@ def static_decode(model, pool: PagedKVPool, full_layers, num_layers: int, inputs
     return model(input_ids, positions, caches)
 
 
-def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler's all-greedy step on logits [B, V]: (token ids [B], NON_FINITE_TOKEN where a
-    row holds NaN/inf; picks [B], what a chained row reads). The torch ops are the reference
-    (ops.sample's greedy path: argmax of nan_to_num(fp32), first index on ties); on CUDA one
-    Triton kernel pair reads the bf16 logits once (ops/fused greedy_pick)."""
-    kernels = kernels_for(logits)
-    if kernels is not None:
-        return kernels.greedy_pick(logits)
-    x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=_FLOAT_MAX)
-    picks = x.max(dim=-1).indices
-    is_finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # as model_runner's
-    return torch.where(is_finite, picks, NON_FINITE_TOKEN), picks
-
-
-def static_greedy(model, pool, full_layers, num_layers: int, inputs, num_keys: int, vocab: int):
-    """`static_decode`, then the lm_head over the first `vocab` logits and `greedy_tokens`."""
+def static_head(model, pool, full_layers, num_layers: int, inputs, num_keys: int,
+                head: GraphHead, head_inputs: HeadInputs | None):  # fmt: skip
+    """`static_decode`, then the lm_head and the sampler of `head` (graph_head.py): returns
+    (token ids, picks) [B]."""
     hidden = static_decode(model, pool, full_layers, num_layers, inputs, num_keys)
-    return greedy_tokens(model.compute_logits(hidden[:, 0])[:, :vocab])
+    return run_head(model, hidden, head, inputs[:, 1], head_inputs)
 
 
 def fill_inputs(group, block_size: int, num_rows: int, num_keys: int, scratch_slot: int,
@@ -161,7 +147,8 @@ class DecodeGraphs:
         self.full_layers, self.num_layers = tuple(full_layers), num_layers
         self.buckets = batch_buckets(max_bs)
         self.max_bs, self.capture, self.min_keys = max_bs, capture, min_keys
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (B, S) -> (graph, inputs, hidden)
+        # (B, S, head) -> (graph, inputs, head inputs, hidden or (token ids, picks))
+        self.graphs: dict[tuple, tuple] = {}
         self.mempool = None
 
     @classmethod
@@ -179,11 +166,12 @@ class DecodeGraphs:
     def can_run(self, group) -> bool:
         return len(group) <= self.max_bs and all(c.num_tokens == 1 for c in group)
 
-    def forward(self, group, tokens=None, future=None, greedy_vocab: int | None = None):
+    def forward(self, group, tokens=None, future=None, head: GraphHead | None = None,
+                batch=None):  # fmt: skip
         """Hidden [len(group), 1, H] of a decode group, through the bucket's graph. `tokens`
         and `future`: input ids with placeholders and the tensor they index (launched.py).
-        `greedy_vocab`: the graph also picks greedy tokens over that many logits and returns
-        `greedy_tokens`' (token ids, picks) [len(group)] instead."""
+        `head` (and the step's SamplingBatch `batch` unless greedy): the graph also samples
+        and returns (token ids, picks) [len(group)] instead (graph_head.py)."""
         b = len(group)
         rows = next(x for x in self.buckets if x >= b)
         num_keys = key_bucket(max(c.start for c in group) + 1, self.pool.block_size, self.min_keys)
@@ -195,30 +183,42 @@ class DecodeGraphs:
             inputs = host.to(self.device, non_blocking=True)
             if future is not None:
                 inputs[:, 0] = resolve_placeholders(inputs[:, 0], future)
-            return _rows(self._run(inputs, num_keys, greedy_vocab), b)
-        key = (rows, num_keys, greedy_vocab)
-        graph, inputs, out = self.graphs.get(key) or self._capture(*key)
+            head_inputs = self._head_inputs(head, rows, batch)
+            return _rows(self._run(inputs, num_keys, head, head_inputs), b)
+        key = (rows, num_keys, head)
+        graph, inputs, head_inputs, out = self.graphs.get(key) or self._capture(*key)
         inputs.copy_(host, non_blocking=True)
         if future is not None:  # chained rows: their input token is on the device already
             inputs[:, 0] = resolve_placeholders(inputs[:, 0], future)
+        if head_inputs is not None:
+            head_inputs.load(batch)
         graph.replay()
         return _rows(out, b)  # views of graph memory: the caller reads them before the next replay
 
-    def _run(self, inputs, num_keys: int, greedy_vocab: int | None):
-        args = (self.model, self.pool, self.full_layers, self.num_layers, inputs, num_keys)
-        if greedy_vocab is None:
-            return static_decode(*args)
-        return static_greedy(*args, greedy_vocab)
+    def _head_inputs(self, head: GraphHead | None, rows: int, batch=None) -> HeadInputs | None:
+        if head is None or head.kind == "greedy":
+            return None
+        head_inputs = HeadInputs(head, rows, self.device)
+        if batch is not None:
+            head_inputs.load(batch)
+        return head_inputs
 
-    def _capture(self, rows: int, num_keys: int, greedy_vocab: int | None):
+    def _run(self, inputs, num_keys: int, head: GraphHead | None, head_inputs):
+        args = (self.model, self.pool, self.full_layers, self.num_layers, inputs, num_keys)
+        if head is None:
+            return static_decode(*args)
+        return static_head(*args, head, head_inputs)
+
+    def _capture(self, rows: int, num_keys: int, head: GraphHead | None):
         t0 = time.perf_counter()
         inputs = torch.zeros((rows, HEADER + num_keys // self.pool.block_size),
                              dtype=torch.int64, device=self.device)  # fmt: skip
         inputs[:, 3] = self.pool.scratch_slot  # all rows padding: warm-up writes nothing real
+        head_inputs = self._head_inputs(head, rows)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, allocator
-            self._run(inputs, num_keys, greedy_vocab)
+            self._run(inputs, num_keys, head, head_inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
@@ -226,13 +226,12 @@ class DecodeGraphs:
         # thread_local: the server steps on a background thread; other threads' CUDA calls
         # during a capture must not invalidate it
         with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-            out = self._run(inputs, num_keys, greedy_vocab)
+            out = self._run(inputs, num_keys, head, head_inputs)
         torch.cuda.synchronize(self.device)
-        key = (rows, num_keys, greedy_vocab)
-        self.graphs[key] = (graph, inputs, out)
-        logger.info("captured decode graph B=%d S=%d greedy=%s in %.1f ms (%d graphs)", rows,
-                    num_keys, greedy_vocab is not None, (time.perf_counter() - t0) * 1e3,
-                    len(self.graphs))  # fmt: skip
+        key = (rows, num_keys, head)
+        self.graphs[key] = (graph, inputs, head_inputs, out)
+        logger.info("captured decode graph B=%d S=%d head=%s in %.1f ms (%d graphs)", rows,
+                    num_keys, head, (time.perf_counter() - t0) * 1e3, len(self.graphs))  # fmt: skip
         return self.graphs[key]
 
 
