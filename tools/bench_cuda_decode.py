@@ -11,6 +11,9 @@ request got its first token to the first finish): with chunked prefill the early
 large batch are ahead, so `decode_tok_s` also times a shrinking batch at the end (and counts the
 tokens the early requests made before the clock started).
 
+`--sampling greedy,seeded` times each batch with greedy requests and with seeded top-k/top-p
+requests (temperature 0.8, top_p 0.95, top_k 50, seed = request index) on one engine.
+
 `--quantization int8|int4|fp8` quantizes the random bf16 weights at load (models/quantize.py);
 the roofline then counts the packed bytes, and each row reports peak GPU memory (weights after
 load, and the peak of the whole run). Run one mode per process for per-mode peaks.
@@ -92,12 +95,21 @@ def write_checkpoint(name: str, directory: Path) -> str:
     return str(directory)
 
 
-def decode_run(engine: Engine, prompts, gen_len: int) -> tuple[float, float]:
+SAMPLING = {  # --sampling: what every request of a decode run asks for
+    "greedy": dict(temperature=0.0),
+    "seeded": dict(temperature=0.8, top_p=0.95, top_k=50),  # + a seed per request
+}
+
+
+def decode_run(engine: Engine, prompts, gen_len: int, sampling: str = "greedy"):
     """Decode tok/s of one batch: (tokens after each request's first / time after the first;
     steady: tokens produced while every request was decoding / that time, i.e. from the step
     where the last request got its first token to the first finish, the full batch only)."""
-    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    rids = {engine.add_request(None, p, params) for p in prompts}
+    rids = set()
+    for i, prompt in enumerate(prompts):
+        seed = {"seed": i} if sampling == "seeded" else {}
+        params = SamplingParams(max_tokens=gen_len, ignore_eos=True, **SAMPLING[sampling], **seed)
+        rids.add(engine.add_request(None, prompt, params))
     started, t_first, t_full, steady = set(), None, None, 0
     while engine.has_unfinished():
         outputs = engine.step()
@@ -279,6 +291,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-gen", type=int, default=16, help="tokens of the warm-up run")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--sampling", default="greedy", help="comma list of " + ",".join(SAMPLING))
     parser.add_argument("--async-scheduling", choices=("auto", "on", "off", "both"), default="auto",
                         help="overlapped scheduling; both: on and off interleaved, one engine")  # fmt: skip
     parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "fp8"])
@@ -315,18 +328,19 @@ def main() -> None:
     graphs = getattr(engine.runner, "decode_graphs", None) is not None
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
-    for batch in batches:
+    samplings = args.sampling.split(",")
+    for batch, sampling in [(b, s) for b in batches for s in samplings]:
         prompts = [torch.randint(100, vocab - 1, (args.prompt_len,), generator=gen).tolist()
                    for _ in range(batch)]  # fmt: skip
         runs = {mode: [] for mode in modes}
         steady = {mode: [] for mode in modes}
         for mode in modes:  # graph capture, allocator, autotune
             engine.is_overlapped = mode
-            decode_run(engine, prompts, args.warmup_gen)
+            decode_run(engine, prompts, args.warmup_gen, sampling)
         for _ in range(args.repeats):
             for mode in modes:
                 engine.is_overlapped = mode
-                total, full = decode_run(engine, prompts, args.gen_len)
+                total, full = decode_run(engine, prompts, args.gen_len, sampling)
                 runs[mode].append(total)
                 steady[mode].append(full)
         context = args.prompt_len + args.gen_len / 2
@@ -334,11 +348,12 @@ def main() -> None:
         medians = {mode: statistics.median(r) for mode, r in runs.items()}
         for mode in modes:
             tok_s = medians[mode]
-            step_ms[batch, mode] = batch / tok_s * 1e3
+            if sampling == samplings[0]:
+                step_ms[batch, mode] = batch / tok_s * 1e3
             extra = {}
             if len(modes) == 2 and mode:
                 extra = dict(overlap_over_sync=round(tok_s / medians[False], 3))
-            print(json.dumps(dict(label=args.label, geometry=args.geometry, batch=batch,
+            print(json.dumps(dict(label=args.label, geometry=args.geometry, batch=batch, sampling=sampling,
                                   async_scheduling=mode, decode_tok_s=round(tok_s, 1),
                                   runs=[round(r, 1) for r in runs[mode]],
                                   steady_tok_s=round(statistics.median(steady[mode]), 1),
