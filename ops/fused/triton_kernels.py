@@ -184,7 +184,8 @@ def rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, slots, num_q_heads: int)
 
 
 GREEDY_CHUNK = 4096  # logits per program of the greedy pick's first pass
-_FLOAT_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+_FLOAT_MAX = tl.constexpr(3.4028234663852886e38)  # torch.finfo(torch.float32).max (a constexpr:
+# kernels read only constexpr globals)
 
 
 @triton.jit
