@@ -32,7 +32,9 @@ class GraphHead:
 
     vocab: int  # logits columns sampled over (the tokenizer's vocabulary)
     kind: str  # "greedy", "plain" (temperature only) or "filtering" (top-k / top-p / min-p)
-    width: int = 0  # filtering: candidate width (FilterParams.width)
+    # filtering: candidate width, FilterParams.width rounded up to a power of two (a seeded
+    # row's token does not depend on the width: the hash contract, seeded-sampling.md)
+    width: int = 0
     needs_mass: bool = False  # filtering: some row has top_p < 1
 
     @classmethod
@@ -49,7 +51,10 @@ class GraphHead:
             return None
         if batch.plain is not None:
             return cls(vocab, "plain")
-        return cls(vocab, "filtering", batch.filter_params.width, batch.filter_params.needs_mass)
+        width = batch.filter_params.width  # max(top_k) of the batch, or the vocabulary
+        if width < vocab:  # a power of two: a few graphs, not one per max(top_k) seen
+            width = min(1 << (width - 1).bit_length(), vocab)
+        return cls(vocab, "filtering", width, batch.filter_params.needs_mass)
 
 
 class HeadInputs:
