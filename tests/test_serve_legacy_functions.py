@@ -141,3 +141,22 @@ def test_the_openai_client_sends_legacy_functions_end_to_end(tmp_path):
         assert client.models.list().data  # the server is unaffected
     finally:
         server.stop()
+
+
+def test_every_message_role_of_the_openai_sdk_is_accepted():
+    """The roles come from the installed client's own message types (a newer SDK's fails here)."""
+    import typing
+
+    from openai.types.chat import ChatCompletionMessageParam
+
+    roles = set()
+    for param in typing.get_args(ChatCompletionMessageParam):
+        roles |= set(typing.get_args(typing.get_type_hints(param)["role"]))
+    assert "function" in roles
+    for role in sorted(roles):
+        message = {"role": role, "content": "x"}
+        if role == "tool":
+            message["tool_call_id"] = "c"
+        if role == "function":
+            message["name"] = "f"
+        assert _messages([message])[0].role == role
