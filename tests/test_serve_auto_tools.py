@@ -1,10 +1,11 @@
-"""`tool_choice: "auto"` on hermes-format models: free text, but a started call is a valid call.
+"""`tool_choice: "auto"` for hermes, Mistral and Llama-3 JSON: free text, but a started call is
+a valid call.
 
 Oracles: xgrammar's own `GrammarMatcher` walks the grammar the server builds (random allowed
-tokens from its bitmask, seeded) after the output has written `<tool_call>`; every completed call
-is parsed by the hermes parser and validated with `jsonschema`; names must be offered functions.
-Free text before the trigger must keep the whole byte vocabulary. Over HTTP, the tiny model's
-free answer stays content.
+tokens from its bitmask, seeded) after the output has started a call (`<tool_call>`, the
+`[TOOL_CALLS]` token, a first `{`); every completed call is parsed by the family's own parser and
+validated with `jsonschema`; names must be offered functions. Free text before the trigger must
+keep the whole byte vocabulary. gpt-oss harmony: tests/test_serve_auto_tools_harmony.py.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def test_no_second_call_without_parallel_tool_calls():
     assert _allowed(matcher) == [STOP]
 
 
-def test_families_without_a_text_trigger_are_not_constrained():
-    for name in ("openai", "mistral", "llama3_json"):
-        assert auto_tool_grammar(name, FUNCTIONS, is_parallel=True) is None
+def test_unconstrained_cases_return_no_grammar():
+    """A parser without a grammar; Llama-3 behind `<think>` (its message starts later)."""
+    assert auto_tool_grammar("nonexistent", FUNCTIONS, is_parallel=True) is None
+    assert auto_tool_grammar("llama3_json", FUNCTIONS, True, {}, has_reasoning=True) is None
+    assert auto_tool_grammar("hermes", FUNCTIONS, True, {}, has_reasoning=True) is not None

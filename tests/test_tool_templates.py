@@ -199,3 +199,61 @@ def test_each_family_parses_its_own_format_and_round_trips(family_server):
     assert answer.choices[0].finish_reason in ("stop", "length")
     # the call and its result were rendered into the prompt
     assert answer.usage.prompt_tokens > baseline.usage.prompt_tokens + len("sunny")
+
+
+CONTENT_BEFORE = {  # family -> (what the model is made to write under auto, its content)
+    "qwen2.5": ("Sure[.] " + OUTPUT_REGEX["qwen2.5"], "Sure."),
+    "qwen3": ("<think>hmm</think>Sure[.] " + OUTPUT_REGEX["qwen3"], "Sure."),
+    "llama3.1": (OUTPUT_REGEX["llama3.1"] + " Done[.]", "Done."),
+    "mistral": ("Sure[.] " + OUTPUT_REGEX["mistral"], "Sure."),
+}
+
+
+@pytest.mark.slow
+def test_auto_call_logprobs_cover_exactly_the_content(family_server):
+    """Byte tokenizer: one token per character. Under `auto`, the call's text (and Qwen3's
+    reasoning) are not content, so the logprob tokens spell exactly the content, in the JSON
+    answer and chunk by chunk in the stream."""
+    from reasoning_helpers import stream_content_logprobs
+
+    family, _, client = family_server
+    regex, content = CONTENT_BEFORE[family]
+    request = dict(
+        model=MODEL_NAME,
+        messages=HISTORY[:2],
+        tools=TOOLS,
+        max_tokens=150,
+        temperature=0,
+        response_format={"type": "regex", "regex": regex},
+    )
+    reply = client.chat.completions.create(**request, logprobs=True)
+    choice = reply.choices[0]
+    assert choice.message.tool_calls and choice.message.content == content, choice
+    assert "".join(item.token for item in choice.logprobs.content) == content
+    pairs = stream_content_logprobs(client, **request)
+    assert all(delta == tokens for delta, tokens in pairs), pairs
+    assert "".join(delta for delta, _ in pairs) == content
+
+
+@pytest.mark.slow
+def test_llama3_auto_answer_opening_with_a_brace_is_a_valid_call(family_server):
+    """Llama-3 JSON has no start marker: the server's grammar makes an answer whose first
+    character is `{` one well-formed call (a logit bias makes the random model open with `{`)."""
+    family, _, client = family_server
+    if family != "llama3.1":
+        pytest.skip("the Llama-3 JSON format only")
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=HISTORY[:2],
+        tools=TOOLS,
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=1.0,
+        seed=5,
+        logit_bias={str(ord("{")): 100},
+    )
+    message = reply.choices[0].message
+    [call] = message.tool_calls
+    assert message.content is None and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)

@@ -16,32 +16,22 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from torch_runner.serve.auto_tools import auto_tool_grammar
-from torch_runner.serve.chat_format import (
-    check_template_kwargs,
-    continuation_field,
-    harmony_effort,
-)
+from torch_runner.serve.chat_plan import apply_tool_plan, render_prompt
 from torch_runner.serve.chat_stream import ChoiceRenderer
-from torch_runner.serve.errors import InvalidRequestError, param_error
+from torch_runner.serve.errors import InvalidRequestError
 from torch_runner.serve.generation import (
     Choice,
     Increment,
     run_choices,
     usage_of,
 )
-from torch_runner.serve.harmony_tools import (
-    WRAPPED_KINDS,
-    harmony_call_grammar,
-    harmony_final_grammar,
-)
 from torch_runner.serve.logprob_fields import CONTENT, TokenLabeler
 from torch_runner.serve.logprobs import chat_logprobs, message_token_count
 from torch_runner.serve.offload import json_response
-from torch_runner.serve.output_parsers import keeps_special_tokens, make_output_parser
-from torch_runner.serve.params import chat_fields, structured_spec
+from torch_runner.serve.output_parsers import make_output_parser
+from torch_runner.serve.params import chat_fields
 from torch_runner.serve.parsing import DeltaMessage, OutputParser
-from torch_runner.serve.prompts import chat_prompt, check_context
+from torch_runner.serve.prompts import check_context
 from torch_runner.serve.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -56,13 +46,9 @@ from torch_runner.serve.protocol import (
     ToolCallDeltaOut,
     ToolCallOut,
 )
-from torch_runner.serve.reasoning.harmony_prompt import HarmonyPromptError, render_harmony_prompt
 from torch_runner.serve.sse import stream_choices
 from torch_runner.serve.state import ServingState
-from torch_runner.serve.tool_prompt import message_dicts
-from torch_runner.serve.tools import ToolPlan, check_schemas, plan_tools
-
-PROMPT_TAIL_TOKENS = 16  # enough to see the `<think>` a template opens at the very end
+from torch_runner.serve.tools import ToolPlan, plan_tools
 
 
 def _param_names(body: ChatCompletionRequest) -> dict[str, str]:
@@ -79,8 +65,8 @@ async def create_chat_completion(
     state.check_model(body.model)
     fields = await state.offload(chat_fields, body, state.vocab_size)
     plan = plan_tools(body)
-    _apply_tool_plan(state, plan, fields)
-    prompt_ids, prompt_tail = await state.offload(_render_prompt, state, body, plan)
+    apply_tool_plan(state, plan, fields)
+    prompt_ids, prompt_tail = await state.offload(render_prompt, state, body, plan)
     max_name = _param_names(body)["max_tokens"]
     check_context(len(prompt_ids), fields["max_tokens"], state.max_model_len, "messages", max_name)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -109,74 +95,6 @@ async def create_chat_completion(
         )
     )
     return await state.offload(json_response, response)
-
-
-def _render_prompt(
-    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan
-) -> tuple[list[int], str]:
-    """Prompt ids, and the text of its last tokens (did the template leave `<think>` open?)."""
-    chat_format = state.chat_format
-    template_kwargs = check_template_kwargs(body.chat_template_kwargs)
-    if chat_format.is_harmony:
-        return _harmony_prompt(state, body, plan, template_kwargs), ""
-    if body.reasoning_effort is not None:
-        template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-    ids = chat_prompt(
-        state.tokenizer,
-        body.messages,
-        plan.offered,
-        state.chat_template,
-        template_kwargs=template_kwargs,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-    )
-    if not chat_format.reasoning_parser:
-        return ids, ""
-    return ids, state.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
-
-
-def _harmony_prompt(
-    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan, template_kwargs: dict
-) -> list[int]:
-    """gpt-oss: openai-harmony renders the prompt (see harmony_effort for what it accepts)."""
-    continuation = continuation_field(body.add_generation_prompt, body.continue_final_message)
-    effort = harmony_effort(template_kwargs, body.reasoning_effort, continuation)
-    try:
-        return render_harmony_prompt(
-            state.chat_format.harmony_encoding, message_dicts(body.messages), plan.offered, effort
-        )
-    except HarmonyPromptError as exc:
-        raise param_error(exc) from None
-
-
-def _apply_tool_plan(state: ServingState, plan: ToolPlan, fields: dict) -> None:
-    """Forced tool choices constrain the output; some auto parsers need special tokens kept.
-
-    gpt-oss: forced calls are harmony call messages, a response_format is the body of a final
-    message, and <|return|> / <|call|> end a turn."""
-    chat_format = state.chat_format
-    if chat_format.is_harmony:
-        stops = set(fields.get("stop_token_ids") or []) | set(chat_format.stop_token_ids)
-        fields["stop_token_ids"] = sorted(stops)
-    if plan.is_forced and chat_format.is_harmony:
-        names = [plan.named] if plan.choice == "named" else [f["name"] for f in plan.functions]
-        grammar = harmony_call_grammar(chat_format.harmony_encoding, plan.offered or [], names)
-        fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
-    elif plan.is_forced:
-        fields["structured"] = plan.structured_spec()
-    elif plan.choice == "auto" and fields.get("structured") is None and not chat_format.is_harmony:
-        grammar = auto_tool_grammar(state.tool_parser_name, plan.functions, plan.is_parallel)
-        if grammar is not None:  # a call the model starts is a valid call (serve/auto_tools.py)
-            check_schemas(plan)
-            fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
-    elif chat_format.is_harmony and getattr(fields.get("structured"), "kind", "") in WRAPPED_KINDS:
-        grammar = harmony_final_grammar(chat_format.harmony_encoding, fields["structured"])
-        fields["structured"] = structured_spec({"type": "grammar", "grammar": grammar})
-    try:
-        if keeps_special_tokens(state, plan):
-            fields["skip_special_tokens"] = False
-    except ValueError as exc:  # a configured parser that is not available in this build
-        raise InvalidRequestError(str(exc), param="tools") from None
 
 
 def _parser(

@@ -1,6 +1,8 @@
-"""Grammars that keep gpt-oss in its harmony format: forced tool calls and response_format.
+"""Grammars that keep gpt-oss in its harmony format: forced and auto tool calls, response_format.
 
-`tool_choice` "required" or a named function is a grammar for one harmony call.
+`tool_choice` "required" or a named function is a grammar for one harmony call; `auto` lets
+the model write analysis, commentary and final messages freely, but a message addressed to
+`functions.NAME` must name an offered function and carry schema-valid JSON (`harmony_auto_grammar`).
 
 The forced JSON of other families would push gpt-oss out of its format, so here the grammar is
 harmony's own call message: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
@@ -90,3 +92,85 @@ def harmony_final_grammar(encoding: Any, spec: Any) -> str:
         ]
     )
     return str(xgr.Grammar.from_structural_tag(StructuralTag(format=message)))
+
+
+# `tool_choice: "auto"`: the tokens a free message body may not contain (they end or start one)
+BODY_EXCLUDES = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+BODY_EXCLUDES += ("<|constrain|>",)
+FREE_CHANNELS = ("analysis", "commentary", "final")
+
+
+def harmony_auto_grammar(encoding: Any, functions: list[dict[str, Any]]) -> str:
+    """xgrammar EBNF for an auto answer: any number of `analysis` / `commentary` / `final`
+    messages with free bodies, each ended by `<|end|>` and followed by `<|start|>assistant`; the
+    turn ends with `<|return|>` after a final message, or with one call: a commentary message
+    to `functions.NAME` (NAME offered; the recipient before or after the channel, json with or
+    without `<|constrain|>`, the spellings gpt-oss writes) whose body is schema-valid JSON, then
+    `<|call|>`."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import (
+        AnyTokensFormat,
+        ConstStringFormat,
+        JSONSchemaFormat,
+        OrFormat,
+        SequenceFormat,
+        StarFormat,
+        StructuralTag,
+    )
+
+    def token(name: str):
+        return _token(encoding, name)
+
+    def one_of(elements: list[Any]) -> Any:
+        return elements[0] if len(elements) == 1 else OrFormat(elements=elements)
+
+    def text(value: str):
+        return ConstStringFormat(value=value)
+
+    def free_message(channel: str) -> Any:
+        excluded = [encoding.encode(n, allowed_special="all")[0] for n in BODY_EXCLUDES]
+        body = AnyTokensFormat(exclude_tokens=excluded)
+        return SequenceFormat(
+            elements=[token("<|channel|>"), text(channel), token("<|message|>"), body]
+        )
+
+    json_kind = one_of(
+        [
+            SequenceFormat(elements=[text(" "), token("<|constrain|>"), text("json")]),
+            SequenceFormat(elements=[token("<|constrain|>"), text("json")]),
+            text(" json"),
+        ]
+    )
+
+    def call(function: dict[str, Any]) -> Any:
+        recipient = f"to=functions.{function['name']}"
+        arguments = JSONSchemaFormat(
+            json_schema=function.get("parameters") or {"type": "object"}, max_whitespace_cnt=1
+        )
+        end = [token("<|message|>"), arguments, token("<|call|>")]
+        channel_first = [token("<|channel|>"), text(f"commentary {recipient}"), json_kind]
+        recipient_first = [
+            text(f" {recipient}"),
+            token("<|channel|>"),
+            text("commentary"),
+            json_kind,
+        ]
+        return one_of(
+            [
+                SequenceFormat(elements=channel_first + end),
+                SequenceFormat(elements=recipient_first + end),
+            ]
+        )
+
+    free = one_of([free_message(channel) for channel in FREE_CHANNELS])
+    next_message = SequenceFormat(
+        elements=[free, token("<|end|>"), token("<|start|>"), text("assistant")]
+    )
+    last = one_of(
+        [
+            SequenceFormat(elements=[free_message("final"), token("<|return|>")]),
+            *[call(f) for f in functions],
+        ]
+    )
+    turn = SequenceFormat(elements=[StarFormat(content=next_message), last])
+    return str(xgr.Grammar.from_structural_tag(StructuralTag(format=turn)))

@@ -127,13 +127,13 @@ def completion_fields(request: CompletionRequest, vocab_size: int) -> dict[str, 
 
 
 def check_message_fields(i: int, message: Any) -> None:
-    """Image/audio/file parts and assistant audio or function_call: 400 naming the field."""
-    for name in ("audio", "function_call"):
-        if getattr(message, name) is not None:
-            reason = "audio is not supported" if name == "audio" else "deprecated; send tool_calls"
-            raise InvalidRequestError(
-                f"messages.{i}.{name}: {reason}; allowed value: null", param=f"messages.{i}.{name}"
-            )
+    """Image/audio/file parts and assistant audio: 400 naming the field (a deprecated
+    `function_call` is taken as a tool call: serve/history.py)."""
+    if message.audio is not None:
+        raise InvalidRequestError(
+            f"messages.{i}.audio: audio is not supported; allowed value: null",
+            param=f"messages.{i}.audio",
+        )
     if message.refusal is not None and message.content is None:
         message.content = message.refusal  # the refused turn renders as its text
     for j, part in enumerate(message.content if isinstance(message.content, list) else ()):

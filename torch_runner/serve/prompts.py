@@ -12,12 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from torch_runner.serve.errors import InvalidRequestError
+from torch_runner.serve.history import message_dicts
 from torch_runner.serve.protocol import ChatMessage
-from torch_runner.serve.tool_prompt import (
-    message_dicts,
-    template_supports_tools,
-    with_default_tool_prompt,
-)
+from torch_runner.serve.tool_prompt import template_supports_tools, with_default_tool_prompt
 
 
 def completion_prompts(tokenizer: Any, prompt: Any, vocab_size: int) -> list[tuple[list[int], str]]:

@@ -107,7 +107,7 @@ class MessageToolCall(_Request):
 
 
 class ChatMessage(_Request, MessageExtraFields):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextContentPart | RefusalContentPart | MediaContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = Field(None, description="role tool: the id of the call answered.")

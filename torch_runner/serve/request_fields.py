@@ -42,7 +42,7 @@ class MessageExtraFields(_Fields):
     refusal: str | None = Field(None, description="assistant: a refusal; rendered as its text.")
     audio: dict[str, Any] | None = Field(None, description="assistant: refused unless null.")
     function_call: dict[str, Any] | None = Field(
-        None, description="assistant (deprecated): refused unless null; send tool_calls."
+        None, description="assistant (deprecated): {name, arguments}, taken as a tool call."
     )
 
 

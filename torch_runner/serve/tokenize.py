@@ -21,11 +21,11 @@ from torch_runner.serve.chat_format import (
     harmony_effort,
 )
 from torch_runner.serve.errors import InvalidRequestError, param_error
+from torch_runner.serve.history import message_dicts
 from torch_runner.serve.params import check_continuation, check_message_fields
 from torch_runner.serve.prompts import chat_prompt
 from torch_runner.serve.protocol import ChatMessage
 from torch_runner.serve.reasoning.harmony_prompt import HarmonyPromptError, render_harmony_prompt
-from torch_runner.serve.tool_prompt import message_dicts
 
 
 class TokenizeRequest(BaseModel):

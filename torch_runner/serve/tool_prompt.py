@@ -1,4 +1,4 @@
-"""Tool history for the chat template, and the default tool prompt for templates without tools.
+"""The default tool prompt for templates without tools (the history itself: serve/history.py).
 
 A template that mentions `tools` (Qwen2/3, Llama 3.x, Mistral, Hermes, ...) gets the tools and
 the history as transformers passes them (`apply_chat_template(..., tools=...)`; call arguments
@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 from typing import Any
-
-from torch_runner.serve.errors import InvalidRequestError
-from torch_runner.serve.protocol import ChatMessage
 
 DEFAULT_TOOL_PROMPT = """# Tools
 
@@ -34,70 +31,6 @@ For each function call, return a json object with function name and arguments wi
 
 def template_supports_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
-
-
-def _content(message: ChatMessage) -> str:
-    content = message.content
-    if isinstance(content, list):
-        content = "".join(part.text for part in content)
-    return content or ""
-
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as templates take them; checks tool calls and the ids tool results answer."""
-    call_ids: set[str] = set()
-    entries: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        entry: dict[str, Any] = {"role": message.role, "content": _content(message)}
-        if message.name is not None:
-            entry["name"] = message.name
-        if message.reasoning_content is not None:  # Qwen3's template and harmony render it
-            entry["reasoning_content"] = message.reasoning_content
-        if message.tool_calls:
-            if message.role != "assistant":
-                raise InvalidRequestError(
-                    f"messages.{i}.tool_calls is only allowed on assistant messages",
-                    param=f"messages.{i}.tool_calls",
-                )
-            entry["tool_calls"] = [
-                _call_dict(i, j, call) for j, call in enumerate(message.tool_calls)
-            ]
-            call_ids.update(call.id for call in message.tool_calls)
-        if message.role == "tool":
-            if not message.tool_call_id:
-                raise InvalidRequestError(
-                    f"messages.{i} has role 'tool' but no tool_call_id",
-                    param=f"messages.{i}.tool_call_id",
-                )
-            if message.tool_call_id not in call_ids:
-                raise InvalidRequestError(
-                    f"messages.{i}.tool_call_id {message.tool_call_id!r} answers no tool call "
-                    "of an earlier assistant message",
-                    param=f"messages.{i}.tool_call_id",
-                )
-            entry["tool_call_id"] = message.tool_call_id
-        elif message.tool_call_id is not None:
-            raise InvalidRequestError(
-                f"messages.{i}.tool_call_id is only allowed on tool messages",
-                param=f"messages.{i}.tool_call_id",
-            )
-        entries.append(entry)
-    return entries
-
-
-def _call_dict(i: int, j: int, call: Any) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(
-            f"messages.{i}.tool_calls.{j}.function.arguments is not valid JSON: {exc}",
-            param=f"messages.{i}.tool_calls.{j}.function.arguments",
-        ) from None
-    return {
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.function.name, "arguments": arguments},
-    }
 
 
 def with_default_tool_prompt(

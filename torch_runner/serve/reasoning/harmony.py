@@ -159,7 +159,8 @@ class HarmonyParser:
         """After `<|start|>assistant` comes `<|channel|>`, or a ` to=` recipient before it."""
         if token_id in self.structure_ids:
             return True
-        return self.encoding.decode([token_id]).lstrip().startswith("to")
+        head = self.encoding.decode([token_id]).lstrip()  # " to", " t", " " (a grammar's split)
+        return head.startswith("to") or "to=".startswith(head)
 
     def _open_call(self, recipient: str, delta: DeltaMessage) -> None:
         """At the call's `<|message|>`: its index, id and name, before any argument."""

@@ -74,8 +74,10 @@ class StreamingToolParser:
                 self._held_at = at
             self._held_space += text
             return
-        if at is not None:
-            self._add_span(self._held_at if self._held_space else at, at + len(body))
+        if at is not None:  # the held blank need not touch `text` (a marker may lie between)
+            if self._held_space:
+                self._add_span(self._held_at, self._held_at + len(self._held_space))
+            self._add_span(at, at + len(body))
             self._held_at = at + len(body)
         out.content = (out.content or "") + self._held_space + body
         self._held_space = text[len(body) :]
