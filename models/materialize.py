@@ -16,7 +16,8 @@ from torch import nn
 from tqdm import tqdm
 
 from models import weight_checks
-from models.safetensors_io import Origins
+from models.quantize import return_freed_memory
+from models.safetensors_io import SCRATCH_BYTES, Origins
 
 
 def materialize(
@@ -38,6 +39,9 @@ def materialize(
         for name, t in weights.items()
     }
     views = _allocate_fused(model, targets, device)
+    # one scratch for every strided slice: a buffer allocated and freed per tensor fragments the
+    # heap (glibc serves the next from freed space that parameters then pin), 100-170 MiB here
+    scratch = torch.empty(SCRATCH_BYTES, dtype=torch.uint8) if origins else None
     state = {}
     for name in tqdm(list(weights), desc=desc, unit="tensor", disable=None):
         source = weights.pop(name)
@@ -50,18 +54,23 @@ def materialize(
             and view.device.type == "cpu"
             and view.dtype == source.dtype
         ):
-            ref[1].read(out=view)  # pread straight into the fused buffer's slice
+            ref[1].read(out=view, scratch=scratch)  # pread straight into the fused buffer's slice
         elif view is not None:  # the cast and the device copy in one pass, into the fused buffer
-            view.copy_(ref[1].read() if is_file else source)
+            view.copy_(ref[1].read(scratch=scratch) if is_file else source)
         else:
-            source = ref[1].read() if is_file else source
+            source = ref[1].read(scratch=scratch) if is_file else source
             view = source.to(device=device, dtype=targets[name])
         state[name] = view
         del source, view
         if check_finite and name not in keep_dtype:  # after the cast: an fp32 value past fp16's
             # range is inf now (fp8 weights were checked for NaN codes by models/fp8.py)
             weight_checks.check_finite(name, state[name])
+        # the temporaries (a cast's source, check_finite's masks) freed between parameters kept:
+        # handed back at once, or glibc serves later parameters around them and the heap grows
+        return_freed_memory()
     model.load_state_dict(state, strict=True, assign=True)
+    del scratch
+    return_freed_memory()
 
 
 def _allocate_fused(model: nn.Module, targets: dict, device: torch.device) -> dict:

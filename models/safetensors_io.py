@@ -68,11 +68,12 @@ class FileTensor:
     length: int = 0
     pad: int = 0
 
-    def read(self, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(self, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None):
         """The bytes read with pread(2) straight into a new tensor, or into `out` (a contiguous
         CPU tensor of the file's dtype and this read's shape: a slice of a fused buffer). No
         mapping stays behind; a slice reads its own bytes only, through a bounded scratch
-        buffer when they are strided."""
+        buffer when they are strided (`scratch`: a uint8 buffer of SCRATCH_BYTES to reuse, so a
+        load of many slices does not allocate and free one per tensor)."""
         header, data_start = _header(self.file)
         info = header.get(self.name)
         if info is None or info.get("dtype") not in FILE_DTYPES:
@@ -92,10 +93,10 @@ class FileTensor:
             else:
                 if self.pad:
                     out.narrow(self.dim, self.length, self.pad).zero_()
-                self._read_slice(handle, list(info["shape"]), offset, out)
+                self._read_slice(handle, list(info["shape"]), offset, out, scratch)
         return out
 
-    def _read_slice(self, handle, shape: list[int], offset: int, out: torch.Tensor) -> None:
+    def _read_slice(self, handle, shape: list[int], offset: int, out: torch.Tensor, scratch):
         if not out.numel():
             return
         item = out.element_size()
@@ -108,7 +109,10 @@ class FileTensor:
         rows = out.view(outer, self.length + self.pad, inner)[:, : self.length]
         full = shape[self.dim] * inner  # elements per outer index
         per_read = max(1, SCRATCH_BYTES // (full * item))
-        scratch = torch.empty(min(per_read, outer) * full, dtype=out.dtype)
+        nbytes = min(per_read, outer) * full * item
+        if scratch is None or scratch.numel() < nbytes:
+            scratch = torch.empty(nbytes, dtype=torch.uint8)
+        scratch = scratch[:nbytes].view(out.dtype)
         for first in range(0, outer, per_read):  # whole rows, then this slice's columns
             count = min(per_read, outer - first)
             chunk = scratch[: count * full]

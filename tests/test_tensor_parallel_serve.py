@@ -91,7 +91,7 @@ def test_torchrun_ranks_serve_the_openai_client(checkpoint, expected, tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     log = open(tmp_path / "torchrun.log", "w")  # noqa: SIM115 - closed below
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-port", "18761", "-m", "torch_runner.serve", "--device", "cpu",
+            "--master-port", str(free_port()), "-m", "torch_runner.serve", "--device", "cpu",
             "--model", str(checkpoint), "--port", str(port), "-tp", "2", *FLAGS]  # fmt: skip
     process = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
