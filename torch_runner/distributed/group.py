@@ -112,7 +112,8 @@ class TPGroup:
                 work.wait(timeout=self.timeout)
         except Exception as exc:
             raise RankFailure(
-                f"a tensor parallel worker did not take the step within {self.timeout}: {exc}",
+                f"a tensor parallel worker did not take the step (it exited, or did not answer "
+                f"within {self.timeout}): {exc}",
                 self,
             ) from exc
 
