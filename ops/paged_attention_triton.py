@@ -23,13 +23,14 @@ MAX_SPLITS = 32
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, Tables, Lens, Acc, Lse,
+def _partial_kernel(Q, K, V, Tables, Lens, Acc, Lse, Sinks, Out,
                     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_lens,
-                    stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+                    stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
                     sm_scale, window,
                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    PRECISION: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -68,13 +69,25 @@ def _partial_kernel(Q, K, V, Tables, Lens, Acc, Lse,
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    has = total > 0
-    safe = tl.where(has, total, 1.0)
-    out = acc / safe[:, None]
-    lse = tl.where(has, (m + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + sp * stride_as + d[None, :], out,
-             mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
-    tl.store(Lse + b * stride_lb + heads * stride_lh + sp, lse, mask=g_ok)
+    if SPLITS == 1:  # the whole row here: softmax over the keys and the sink, out in q's dtype
+        if HAS_SINKS:  # (log2 domain, like m)
+            sink = tl.load(Sinks + heads, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            top = tl.maximum(m, sink)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            keep = tl.exp2(m - top)  # 0 for a row without keys
+            acc = acc * keep[:, None]
+            total = total * keep + tl.exp2(sink - top)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+    else:
+        has = total > 0
+        safe = tl.where(has, total, 1.0)
+        out = acc / safe[:, None]
+        lse = tl.where(has, (m + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + sp * stride_as + d[None, :],
+                 out, mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+        tl.store(Lse + b * stride_lb + heads * stride_lh + sp, lse, mask=g_ok)
 
 
 @triton.jit
@@ -138,14 +151,16 @@ def paged_decode_attention(
     d_pad = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _partial_kernel[(b, hkv, splits)](
-        q, k_pool, v_pool, block_tables, kv_lens, acc, lse,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0),
+        q, k_pool, v_pool, block_tables, kv_lens, acc, lse, sinks if sinks is not None else lse,
+        out, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0),
         kv_lens.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0),
-        lse.stride(1), sm_scale, window or 0,
+        lse.stride(1), out.stride(0), out.stride(1), sm_scale, window or 0,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, D_PAD=max(16, d_pad),
         PAGE=block_size, BLOCK=BLOCK_N, SPLITS=splits, HAS_WINDOW=window is not None,
-        PRECISION=precision, num_warps=4,
+        HAS_SINKS=sinks is not None, PRECISION=precision, num_warps=4,
     )  # fmt: skip
+    if splits == 1:  # the first kernel wrote the output
+        return out
     _merge_kernel[(b, hq)](
         acc, lse, sinks if sinks is not None else lse, out,
         acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),

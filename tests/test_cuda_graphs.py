@@ -9,8 +9,12 @@ import pytest
 import torch
 from engine_helpers import hf_greedy, run_staggered, save_engine_checkpoint
 
+from ops.sampling.batch import SamplingBatch
+from ops.sampling.sampler import sample
 from torch_runner import Engine, SamplingParams
 from torch_runner.runner.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
+from torch_runner.runner.graph_head import GraphHead, greedy_tokens
+from torch_runner.runner.model_runner import _is_graph_sampled
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # contexts from 2 to ~60 tokens: with block size 4 and min_keys 8 the key width crosses the
@@ -59,6 +63,7 @@ def test_static_decode_logits_equal_the_eager_path(llama):
     engine = _engine(path)
     runner = engine.runner
     graphs = _static(engine)
+    runner.graph_sampling = False  # every decode group through _forward_group, compared below
     eager_forward = runner._forward_group
     seen = set()
 
@@ -99,6 +104,181 @@ def test_static_decode_greedy_tokens_equal_transformers(llama):
         assert tokens == hf_greedy(hf, prompt, m), prompt
 
 
+def _logits_with_bad_rows(rows: int, vocab: int, dtype) -> torch.Tensor:
+    """Random logits with many ties (rounded), a NaN, a +inf, an all -inf and an all-NaN row."""
+    gen = torch.Generator().manual_seed(rows + vocab)
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).round().to(dtype)
+    logits[1, 5], logits[2, 7], logits[3], logits[4] = float("nan"), float("inf"), -float("inf"), float("nan")  # fmt: skip
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_the_samplers_greedy_pick_and_flag_non_finite_rows(dtype):
+    """greedy_tokens == ops.sample over an all-greedy batch (first index on ties), with
+    model_runner's non-finite flag (-1 where a row holds NaN/inf)."""
+    logits = _logits_with_bad_rows(7, 300, dtype)
+    params = [SamplingParams(temperature=0.0)] * 7
+    batch = SamplingBatch.build(params, [[1]] * 7, [[]] * 7, 300, "cpu")
+    want = sample(logits, batch, torch.arange(7)).token_ids
+    tokens, picks = greedy_tokens(logits)
+    assert torch.equal(picks, want)
+    is_finite = torch.tensor([r not in (1, 2, 3, 4) for r in range(7)])
+    assert torch.equal(tokens, torch.where(is_finite, want, -1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(1, 128256), (5, 300), (64, 4097), (256, 32000)])
+def test_greedy_pick_kernel_equals_the_reference(shape):
+    from ops.fused.triton_kernels import greedy_pick
+
+    logits = _logits_with_bad_rows(*shape, torch.bfloat16) if shape[0] > 4 else None
+    if logits is None:
+        logits = torch.randn(shape).round().to(torch.bfloat16)
+    cpu = greedy_tokens(logits)
+    cuda = greedy_pick(logits.cuda())
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(cuda, cpu))
+
+
+@pytest.mark.parametrize(
+    "params,deterministic,head",
+    [
+        (dict(temperature=0.0), False, "greedy"),
+        (dict(temperature=0.0, seed=3, top_k=5, stop=["x"], max_tokens=4), False, "greedy"),
+        (dict(temperature=0.0, logprobs=True), False, None),
+        (dict(temperature=0.0, logit_bias={3: 1.0}), False, None),
+        (dict(temperature=0.0, repetition_penalty=1.2), False, None),
+        (dict(temperature=0.0, presence_penalty=0.5), False, None),
+        (dict(temperature=0.0, min_tokens=2), False, None),
+        (dict(temperature=0.7), False, None),  # unseeded: the generator, eager
+        (dict(temperature=0.7), True, "plain"),  # deterministic: seed 42
+        (dict(temperature=0.7, seed=1), False, "plain"),
+        (dict(temperature=0.7, top_p=0.9, seed=1), False, "filtering"),
+        (dict(temperature=0.7, top_k=20, seed=1, min_p=0.1), False, "filtering"),
+        (dict(temperature=0.7, top_k=20, seed=1, logprobs=True), False, None),
+        (dict(temperature=0.7, seed=1, min_tokens=1), False, None),
+    ],
+)
+def test_graph_sampled_rows_are_those_a_graph_head_takes(params, deterministic, head):
+    """_is_graph_sampled (decided before the forward, from the params) admits exactly the rows
+    whose SamplingBatch gets a graph head."""
+    p = SamplingParams(**params)
+    batch = SamplingBatch.build([p, p], [[1, 2], [3]], [[4], []], 50, "cpu",
+                                deterministic=deterministic, eos_token_ids=[2])  # fmt: skip
+    got = GraphHead.for_batch(batch, 50)
+    assert _is_graph_sampled(p, deterministic) == (got is not None)
+    assert (got and got.kind) == head
+
+
+def _spy(graphs, record):
+    """Wrap graphs.forward; returns the list of record(*args, **kwargs) of every call."""
+    seen, forward = [], graphs.forward
+
+    def spy(*args, **kwargs):
+        seen.append(record(*args, **kwargs))
+        return forward(*args, **kwargs)
+
+    graphs.forward = spy
+    return seen
+
+
+def test_greedy_graph_steps_equal_the_eager_sampler_and_transformers(llama):
+    """All-greedy decode steps pick inside the (eager on CPU) static forward; a batch with a
+    seeded sampled row takes the sampler. Tokens equal the engine without the static decode."""
+    path, hf = llama
+    seeded = [SamplingParams(max_tokens=m, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
+    for mixed in (False, True):
+        params = [SamplingParams(max_tokens=m, **GREEDY) for m in MAX_TOKENS]
+        if mixed:
+            params[1] = seeded[1]
+        want = run_staggered(_engine(path), PROMPTS, params, arrive_at=(4, 9))
+        engine = _engine(path)
+        graphs = _static(engine)
+        calls = _spy(graphs, lambda g, t=None, f=None, head=None, batch=None: head)
+        got = run_staggered(engine, PROMPTS, params, arrive_at=(4, 9))
+        assert got == want
+        assert GraphHead(engine.runner.vocab_size, "greedy") in calls  # the greedy graph path
+        if not mixed:
+            for prompt, tokens, m in zip(PROMPTS, got, MAX_TOKENS):
+                assert tokens == hf_greedy(hf, prompt, m), prompt
+        else:
+            assert None in calls  # steps holding the sampled row took the sampler
+
+
+SEEDED = {
+    "filtering": lambda i, m: SamplingParams(
+        max_tokens=m, temperature=0.9, top_p=0.8, top_k=40, seed=7 + i, ignore_eos=True
+    ),  # fmt: skip
+    "plain": lambda i, m: SamplingParams(max_tokens=m, temperature=1.3, seed=i, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("kind", ["filtering", "plain", "deterministic"])
+def test_seeded_graph_steps_sample_what_the_eager_sampler_samples(llama, kind):
+    """All rows seeded on one path (or the deterministic mode's default seed): the static
+    forward samples inside (a graph head with per-row inputs); the tokens equal the engine
+    without the static decode, overlapped too (chained rows read the picks)."""
+    path, _ = llama
+    make = SEEDED.get(kind, lambda i, m: SamplingParams(max_tokens=m, temperature=0.8,
+                                                        ignore_eos=True))  # fmt: skip
+    params = [make(i, m) for i, m in enumerate(MAX_TOKENS)]
+    extra = dict(enable_deterministic_inference=True) if kind == "deterministic" else {}
+    want = run_staggered(_engine(path, **extra), PROMPTS, params, arrive_at=(4, 9))
+    assert want != run_staggered(_engine(path, **extra), PROMPTS, params[::-1], arrive_at=(4, 9))
+    for overlap in (False, True):
+        engine = _engine(path, async_scheduling=overlap, **extra)
+        heads = _spy(_static(engine), lambda g, t=None, f=None, head=None, batch=None: head)
+        assert run_staggered(engine, PROMPTS, params, arrive_at=(4, 9)) == want
+        kinds = {h.kind for h in heads if h is not None}
+        assert kinds == {"plain" if kind != "filtering" else kind}
+        if kind == "filtering":  # top_k 40: the eager sampler's width 40, the graph's 64
+            assert {h.width for h in heads if h is not None} == {64}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["filtering", "plain", "greedy"])
+def test_cuda_graph_heads_sample_what_the_eager_sampler_samples(llama, kind):
+    """On CUDA: the same graphs' hidden states sampled inside the graph or by the eager
+    sampler give the same tokens (seeded rows: the hash contract; greedy: the Triton pick)."""
+    path, _ = llama
+    make = SEEDED.get(kind, lambda i, m: SamplingParams(max_tokens=m, **GREEDY))
+    params = [make(i, m) for i, m in enumerate(MAX_TOKENS)]
+    runs = []
+    for inside in (False, True):
+        engine = _engine(path, device="cuda", cuda_graph_max_bs=8, async_scheduling=True)
+        engine.runner.graph_sampling = inside
+        engine.runner.decode_graphs.min_keys = 8
+        runs.append(run_staggered(engine, PROMPTS, params, arrive_at=(4, 9)))
+        heads = {key[2] for key in engine.runner.decode_graphs.graphs}
+        assert (heads != {None}) == inside
+    assert runs[0] == runs[1]
+
+
+def test_overlapped_greedy_graph_steps_chain_on_picks_and_end_a_non_finite_row(llama):
+    """Overlapped (chained rows read the previous step's picks) and with NaN logits in one row:
+    that request ends with an error, its batchmates equal the synchronous eager engine."""
+    path, _ = llama
+    prompts = [[5, 6, 7, 8], [1, 2, 77, 3], list(range(20, 41))]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+
+    def run(engine):
+        def hook(module, inputs, output):
+            return output.masked_fill((inputs[0] == 77)[..., None], float("nan"))
+
+        engine.runner.model.model.embed_tokens.register_forward_hook(hook)
+        outs = engine.generate(prompts, params)
+        return [(o.token_ids, o.finish_reason) for o in outs]
+
+    want = run(_engine(path, enable_prefix_caching=False))
+    engine = _engine(path, enable_prefix_caching=False, async_scheduling=True)
+    graphs = _static(engine)
+    chained = _spy(graphs, lambda group, tokens=None, future=None, *a: future is not None)
+    assert run(engine) == want
+    assert want[1] == ([], "error") and sum(chained) > 5
+
+
 def test_graphs_stay_off_on_cpu_and_with_enforce_eager(llama):
     path, _ = llama
     assert _engine(path).runner.decode_graphs is None  # CPU: eager
@@ -120,14 +300,19 @@ def test_cuda_graph_replay_equals_eager(llama):
     assert len(graphs.graphs) >= 4  # several (batch, key) buckets were captured and replayed
     for prompt, tokens, m in zip(PROMPTS, replayed, MAX_TOKENS):
         assert tokens == hf_greedy(hf, prompt, m), prompt
-    # replay and the same static forward run eagerly give the same hidden state
-    (rows, keys), (graph, inputs, hidden) = next(iter(engine.runner.decode_graphs.graphs.items()))
+    # all-greedy steps replayed graphs that pick the tokens; replay and the same static forward
+    # run eagerly pick the same ones
+    greedy = GraphHead(engine.runner.vocab_size, "greedy")
+    picked = [(k, v) for k, v in graphs.graphs.items() if k[2] == greedy]
+    assert picked, [k for k in graphs.graphs]  # some captured graphs pick the tokens themselves
+    (rows, keys, head), (graph, inputs, _, out) = picked[0]
     graph.replay()
-    from torch_runner.runner.cuda_graphs import static_decode
+    from torch_runner.runner.cuda_graphs import static_head
 
     r = engine.runner
-    again = static_decode(r.model, r.pool, r.full_layers, len(r.args.layer_types), inputs, keys)
-    torch.testing.assert_close(hidden, again, rtol=1e-5, atol=1e-5)
+    again = static_head(r.model, r.pool, r.full_layers, len(r.args.layer_types), inputs, keys,
+                        head, None)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(out, again))
 
 
 @pytest.mark.gpu

@@ -70,15 +70,16 @@ def test_scaled_mm_linear_equals_the_quantized_product_in_fp32(monkeypatch, m):
     assert rel_err(got, x.float() @ w.float().T) < 6e-2  # the e4m3 rounding of both operands
 
 
-@pytest.mark.parametrize("m", [1, 4, 16, 33])
+@pytest.mark.parametrize("m", [1, 3, 8])
 def test_weight_only_fp8_kernel_equals_the_dequantised_matmul(monkeypatch, m):
     needs_fp8()
     from ops.quant import fp8
+    from ops.quant.gemv_tiles import MAX_ROWS
 
     w = torch.randn(3072, 2048, device="cuda").bfloat16() * 0.02
     x = torch.randn(m, 2048, device="cuda").bfloat16()
     packed = fp8.quantize_fp8(w)
-    monkeypatch.setattr(fp8, "WEIGHT_ONLY_MAX_ROWS", 64)
+    monkeypatch.setattr(fp8, "WEIGHT_ONLY_MAX_ROWS", MAX_ROWS)
     got = ops.linear(x, packed)
     want = x.float() @ (packed.weight.float() * packed.scale[:, None]).T
     assert got.dtype == torch.bfloat16 and rel_err(got, want) < 4e-3

@@ -254,3 +254,20 @@ def test_blocks_given_back_behind_the_window_read_the_zero_pad_slot():
     want = _brute_attention(q[0], hist_k, hist_v, positions[0], torch.arange(11), window)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_paged_step_meta_builds_its_slots_without_a_host_sync():
+    """An eager (prefill / mixed) step's slot tensors go to the GPU in one queued copy: torch's
+    sync debug mode sees no blocking call (before: four pageable copies and a nonzero())."""
+    tables, starts, num_new = [[3, 4, 5], [0], [7, 1]], [5, 0, 2], [6, 3, 1]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        meta = PagedStepMeta(tables, starts, num_new, 4, "cuda", 0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cpu = PagedStepMeta(tables, starts, num_new, 4, "cpu", 0)
+    assert torch.equal(meta.write_slots.cpu(), cpu.write_slots)
+    assert torch.equal(meta.gather_slots.cpu(), cpu.gather_slots)
+    assert torch.equal(meta.write_rows.cpu(), cpu.write_rows)

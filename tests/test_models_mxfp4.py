@@ -183,6 +183,7 @@ def test_engine_greedy_with_packed_experts_equals_transformers(tmp_path):
 
 
 @torch.no_grad()
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_packed_experts_on_cuda_equal_the_dequantised_reference(tmp_path):
     """Each layer's MoE of the packed model on CUDA (the Triton kernel) against the same layer of

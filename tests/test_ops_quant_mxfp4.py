@@ -129,13 +129,25 @@ import torch
 from test_ops_quant_mxfp4 import TOP_K, moe_case
 from ops.moe import moe_gpt_oss
 from ops.quant.mxfp4_triton import moe_experts_mxfp4
-for num_tokens in (1, 9):
-    packed, dense = moe_case(num_tokens, torch.float32)
+# the interpreter's bf16 tl.dot is wrong (numpy has no bf16): the grouped bf16 path is GPU-only
+BYTES = {"gemv": ((16, 4, 4, False), (16, 4, 4, False)), "grouped": (64, 2, 4, 3, False)}
+cases = [(1, "gemv", torch.float32, None), (5, "gemv", torch.float32, None),
+         (5, "gemv", torch.float32, BYTES["gemv"]), (1, "gemv", torch.bfloat16, None),
+         (5, "gemv", torch.bfloat16, BYTES["gemv"]), (1, "grouped", torch.float32, None),
+         (9, "grouped", torch.float32, None), (9, "grouped", torch.float32, BYTES["grouped"])]
+for num_tokens, formulation, dtype, config in cases:
+    packed, dense = moe_case(num_tokens, dtype, seed=num_tokens)
     x, rw, rb, gu, gub, dn, dnb = packed
     top_val, top_idx = torch.topk(torch.nn.functional.linear(x, rw, rb), TOP_K)
-    y = moe_experts_mxfp4(x, top_idx, gu, gub, dn, dnb, 7.0, 1.702)
-    got = (y * torch.softmax(top_val, -1)[..., None]).sum(1)
-    torch.testing.assert_close(got, moe_gpt_oss(*dense, top_k=TOP_K), rtol=1e-5, atol=1e-5)
+    scores = torch.softmax(top_val, -1)
+    got = moe_experts_mxfp4(x, top_idx, scores, gu, gub, dn, dnb, 7.0, 1.702,
+                            formulation=formulation, config=config)
+    want = moe_gpt_oss(*(t.float() if t.is_floating_point() else t for t in dense), top_k=TOP_K)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # bf16: the SwiGLU output and the MoE output are rounded (assert_close's bound)
+        scale = want.abs().max()
+        torch.testing.assert_close(got.float() / scale, want / scale, rtol=0, atol=2**-6)
 print("ok")
 """
 
@@ -152,6 +164,7 @@ def test_triton_kernel_equals_reference_in_the_interpreter():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 8, 300])
@@ -167,6 +180,46 @@ def test_cuda_packed_moe_equals_reference_without_host_sync(dtype, num_tokens):
     assert_close(got, want, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("formulation", ["gemv", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 9, 70])
+def test_cuda_kernels_equal_reference_in_both_formulations(formulation, dtype, num_tokens):
+    from ops.quant.mxfp4_triton import moe_experts_mxfp4
+
+    packed, dense = moe_case(num_tokens, dtype, device="cuda", seed=num_tokens)
+    x, rw, rb, gu, gub, dn, dnb = packed
+    top_val, top_idx = torch.topk(torch.nn.functional.linear(x, rw, rb), TOP_K)
+    scores = torch.softmax(top_val, -1)
+    got = moe_experts_mxfp4(x, top_idx, scores, gu, gub, dn, dnb, 7.0, 1.702,
+                            formulation=formulation)  # fmt: skip
+    want = moe_gpt_oss(*dense, top_k=TOP_K)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_cuda_packed_moe_expert_parallel_part_equals_reference(num_tokens):
+    """Experts [1, 3) of 4 on this rank: several slots of a token can point at local expert 0."""
+    packed, dense = moe_case(num_tokens, torch.float32, device="cuda", seed=7)
+
+    def local(args):
+        x, rw, rb, gu, gub, dn, dnb = args
+        if isinstance(gu, Mxfp4Experts):
+            gu, dn = (Mxfp4Experts(p.blocks[1:3].contiguous(), p.scales[1:3].contiguous())
+                      for p in (gu, dn))  # fmt: skip
+        else:
+            gu, dn = gu[1:3].contiguous(), dn[1:3].contiguous()
+        return x, rw, rb, gu, gub[1:3].contiguous(), dn, dnb[1:3].contiguous()
+
+    got = moe_gpt_oss(*local(packed), top_k=TOP_K, expert_start=1)
+    want = moe_gpt_oss(*local(dense), top_k=TOP_K, expert_start=1)
+    assert_close(got, want, torch.float32)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_cuda_packed_moe_replays_in_a_cuda_graph():
     packed, dense = moe_case(4, torch.bfloat16, device="cuda")
@@ -222,3 +275,25 @@ def test_mlx_packed_moe_equals_dequantised_reference(dtype, monkeypatch):
     else:
         assert_close(got, want, dtype)
     assert got.dtype == dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_top_k_softmax_equals_torch_topk_softmax(dtype):
+    """Same experts (ties included: two experts share weights) and scores within rounding."""
+    from ops.routing_triton import top_k_softmax
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 2880, generator=gen).to("cuda", dtype)
+    w = (torch.randn(32, 2880, generator=gen) * 0.02).to("cuda", dtype)
+    b = torch.randn(32, generator=gen).to("cuda", dtype)
+    w[5], b[5] = w[4], b[4]  # exact ties between experts 4 and 5
+    logits = torch.nn.functional.linear(x, w, b)
+    idx, scores = top_k_softmax(logits, 4)
+    top_val, top_idx = torch.topk(logits, 4)
+    got, order = idx.long().sort(-1)  # slot order among equal logits is free
+    want, want_order = top_idx.sort(-1)
+    assert torch.equal(got, want)
+    want_scores = torch.softmax(top_val.float(), -1).gather(1, want_order)
+    torch.testing.assert_close(scores.gather(1, order), want_scores, rtol=0, atol=1e-2)

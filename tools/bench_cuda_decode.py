@@ -6,6 +6,14 @@ random tokens, --gen-len greedy tokens each, CUDA graphs on (the engine's defaul
 roofline: (weight bytes read per step + KV bytes read) / --bandwidth, where an MoE step reads
 the experts its B x top_k picks are expected to hit, E * (1 - (1 - k/E)^B) of E.
 
+`steady_tok_s` counts only the window where the whole batch decodes (from the step where the last
+request got its first token to the first finish): with chunked prefill the early requests of a
+large batch are ahead, so `decode_tok_s` also times a shrinking batch at the end (and counts the
+tokens the early requests made before the clock started).
+
+`--sampling greedy,seeded` times each batch with greedy requests and with seeded top-k/top-p
+requests (temperature 0.8, top_p 0.95, top_k 50, seed = request index) on one engine.
+
 `--quantization int8|int4|fp8` quantizes the random bf16 weights at load (models/quantize.py);
 the roofline then counts the packed bytes, and each row reports peak GPU memory (weights after
 load, and the peak of the whole run). Run one mode per process for per-mode peaks.
@@ -87,19 +95,37 @@ def write_checkpoint(name: str, directory: Path) -> str:
     return str(directory)
 
 
-def decode_run(engine: Engine, prompts, gen_len: int) -> float:
-    """Decode tok/s of one batch (tokens after each request's first / time after the first)."""
-    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    rids = {engine.add_request(None, p, params) for p in prompts}
-    started, t_first = set(), None
+SAMPLING = {  # --sampling: what every request of a decode run asks for
+    "greedy": dict(temperature=0.0),
+    "seeded": dict(temperature=0.8, top_p=0.95, top_k=50),  # + a seed per request
+}
+
+
+def decode_run(engine: Engine, prompts, gen_len: int, sampling: str = "greedy"):
+    """Decode tok/s of one batch: (tokens after each request's first / time after the first;
+    steady: tokens produced while every request was decoding / that time, i.e. from the step
+    where the last request got its first token to the first finish, the full batch only)."""
+    rids = set()
+    for i, prompt in enumerate(prompts):
+        seed = {"seed": i} if sampling == "seeded" else {}
+        params = SamplingParams(max_tokens=gen_len, ignore_eos=True, **SAMPLING[sampling], **seed)
+        rids.add(engine.add_request(None, prompt, params))
+    started, t_first, t_full, steady = set(), None, None, 0
     while engine.has_unfinished():
-        for out in engine.step():
+        outputs = engine.step()
+        for out in outputs:
             started.add(out.request_id)
+        if t_full is not None and steady >= 0:  # the full batch's window is still open
+            steady += sum(len(o.delta_token_ids) for o in outputs)
+            if any(o.finished for o in outputs):
+                steady_tok_s = steady / (time.perf_counter() - t_full)
+                steady = -1
         if t_first is None and started >= rids:
             torch.cuda.synchronize()
-            t_first = time.perf_counter()
+            t_first = t_full = time.perf_counter()
     torch.cuda.synchronize()
-    return len(prompts) * (gen_len - 1) / (time.perf_counter() - t_first)
+    total = len(prompts) * (gen_len - 1) / (time.perf_counter() - t_first)
+    return total, steady_tok_s if steady < 0 else total
 
 
 def roofline(engine: Engine, batch: int, context: float, bandwidth: float) -> float:
@@ -176,9 +202,10 @@ def _device_time_us(events) -> float:
 
 
 def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 20,
-                  table: bool = True) -> float:  # fmt: skip
+                  table: bool = True, host: bool = False) -> float:  # fmt: skip
     """torch.profiler table of `steps` pure decode steps at `batch` (after a warm-up); returns
-    the GPU busy ms per step."""
+    the GPU busy ms per step. `host`: then a cProfile of as many more steps (host time per
+    function; time in `synchronize` is the host waiting for the GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(2)
@@ -195,6 +222,8 @@ def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps
             engine.step()
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps * 1e3
+    if host:
+        host_profile(engine, steps)
     while engine.has_unfinished():
         engine.step()
     events = prof.key_averages()
@@ -209,6 +238,23 @@ def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps
     if table:
         print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
     return gpu_us / 1e3
+
+
+def host_profile(engine: Engine, steps: int) -> None:
+    """cProfile of `steps` engine steps: where the host's time per step goes."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"host profile: {(time.perf_counter() - t0) / steps * 1e3:.2f} ms/step (cProfiled)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
 
 def profile_new_length(engine: Engine, length: int, vocab: int) -> None:
@@ -245,16 +291,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-gen", type=int, default=16, help="tokens of the warm-up run")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--sampling", default="greedy", help="comma list of " + ",".join(SAMPLING))
     parser.add_argument("--async-scheduling", choices=("auto", "on", "off", "both"), default="auto",
                         help="overlapped scheduling; both: on and off interleaved, one engine")  # fmt: skip
     parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "fp8"])
     parser.add_argument("--fp8-weight-only-rows", type=int, default=None,
                         help="fp8: batches up to this many rows use the Triton weight-only kernel "
                         "(ops.quant.fp8.WEIGHT_ONLY_MAX_ROWS; 0: always _scaled_mm)")  # fmt: skip
+    parser.add_argument("--gemv-configs", default="",
+                        help="JSON tile table from tools/bench_fp8_linear.py --write-configs "
+                        "(ops.quant.gemv_tiles.set_configs) for the fp8 / int8 GEMV")  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s (H200 copy)")
     parser.add_argument("--new-lengths", default="", help="e.g. 301,517,999 ('' skips)")
     parser.add_argument("--label", default="", help="tag printed in every JSON row")
-    parser.add_argument("--profile-batch", type=int, default=0, help="profile decode at B (0: off)")
+    parser.add_argument("--profile-batch", default="", help="profile decode at these B, e.g. 1,64")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="with --profile-batch: also cProfile the host per step")  # fmt: skip
     parser.add_argument("--profile-new-length", type=int, default=0,
                         help="profile a never-seen prefill length, then a repeat (0: off)")  # fmt: skip
     args = parser.parse_args()
@@ -263,6 +315,11 @@ def main() -> None:
         from ops.quant import fp8
 
         fp8.WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_rows
+    if args.gemv_configs:
+        from ops.quant.gemv_tiles import set_configs
+
+        table = json.loads(Path(args.gemv_configs).read_text())
+        set_configs({tuple(key): tuple(cfg) for key, cfg in table})
     tmp = Path(tempfile.mkdtemp(prefix="bench_cuda_"))
     t0 = time.perf_counter()
     engine = Engine(write_checkpoint(args.geometry, tmp / args.geometry), device="cuda",
@@ -279,33 +336,41 @@ def main() -> None:
     graphs = getattr(engine.runner, "decode_graphs", None) is not None
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
-    for batch in batches:
+    samplings = args.sampling.split(",")
+    for batch, sampling in [(b, s) for b in batches for s in samplings]:
         prompts = [torch.randint(100, vocab - 1, (args.prompt_len,), generator=gen).tolist()
                    for _ in range(batch)]  # fmt: skip
         runs = {mode: [] for mode in modes}
+        steady = {mode: [] for mode in modes}
         for mode in modes:  # graph capture, allocator, autotune
             engine.is_overlapped = mode
-            decode_run(engine, prompts, args.warmup_gen)
+            decode_run(engine, prompts, args.warmup_gen, sampling)
         for _ in range(args.repeats):
             for mode in modes:
                 engine.is_overlapped = mode
-                runs[mode].append(decode_run(engine, prompts, args.gen_len))
+                total, full = decode_run(engine, prompts, args.gen_len, sampling)
+                runs[mode].append(total)
+                steady[mode].append(full)
         context = args.prompt_len + args.gen_len / 2
         top = roofline(engine, batch, context, args.bandwidth)
         medians = {mode: statistics.median(r) for mode, r in runs.items()}
         for mode in modes:
             tok_s = medians[mode]
-            step_ms[batch, mode] = batch / tok_s * 1e3
+            if sampling == samplings[0]:
+                step_ms[batch, mode] = batch / tok_s * 1e3
             extra = {}
             if len(modes) == 2 and mode:
                 extra = dict(overlap_over_sync=round(tok_s / medians[False], 3))
-            print(json.dumps(dict(label=args.label, geometry=args.geometry, batch=batch,
+            print(json.dumps(dict(label=args.label, geometry=args.geometry, batch=batch, sampling=sampling,
                                   async_scheduling=mode, decode_tok_s=round(tok_s, 1),
                                   runs=[round(r, 1) for r in runs[mode]],
+                                  steady_tok_s=round(statistics.median(steady[mode]), 1),
+                                  steady_runs=[round(r, 1) for r in steady[mode]],
                                   roofline_tok_s=round(top, 1), roofline_frac=round(tok_s / top, 3),
                                   graphs=graphs, load_s=round(load_s, 1),
                                   quantization=args.quantization,
                                   fp8_weight_only_rows=args.fp8_weight_only_rows,
+                                  gemv_configs=args.gemv_configs or None,
                                   weights_gib=round(quantized_bytes(engine.runner.model)[0] / 2**30
                                                     + dense_gib(engine.runner.model), 3),
                                   allocated_after_load_gib=round(weights_gib, 2),
@@ -316,12 +381,13 @@ def main() -> None:
         new_length_prefills(engine, [max(lengths) + 64], vocab)
     for row in new_length_prefills(engine, lengths, vocab) if lengths else []:
         print(json.dumps(dict(label=args.label, geometry=args.geometry, **row)), flush=True)
-    for mode in modes if args.profile_batch else []:
+    profile_batches = [int(b) for b in args.profile_batch.split(",") if b]
+    for batch, mode in [(b, m) for b in profile_batches for m in modes]:
         engine.is_overlapped = mode
-        busy = profile_steps(engine, args.profile_batch, args.prompt_len, vocab,
-                             table=len(modes) == 1)  # fmt: skip
-        step = step_ms.get((args.profile_batch, mode))
-        print(json.dumps(dict(label=args.label, geometry=args.geometry, profile_batch=args.profile_batch,
+        busy = profile_steps(engine, batch, args.prompt_len, vocab, table=len(modes) == 1,
+                             host=args.host_profile)  # fmt: skip
+        step = step_ms.get((batch, mode))
+        print(json.dumps(dict(label=args.label, geometry=args.geometry, profile_batch=batch,
                               async_scheduling=mode, gpu_busy_ms=round(busy, 3),
                               step_ms=step and round(step, 3),
                               gpu_idle_frac=step and round(1 - busy / step, 3))), flush=True)  # fmt: skip

@@ -1,17 +1,23 @@
-"""One linear at decode shapes on CUDA: bf16 `F.linear` vs the fp8 paths (ops/quant/fp8.py), with
-a sweep of the Triton weight-only kernel's tiles. Prints ms (median of `do_bench`), GB/s of
-weight bytes, and the ratio to bf16, for the Llama-3.2-1B / 3.1-8B projection shapes.
+"""One linear at decode shapes on CUDA: bf16 `F.linear` vs the fp8 paths (ops/quant/fp8.py:
+`_scaled_mm` and the weight-only GEMV of ops/quant/gemv_triton.py) and int8 (the GEMV vs torch's
+`_weight_int8pack_mm`), with a sweep of the GEMV's tiles. Prints, per projection shape of the
+Llama-3.2-1B / 3.1-8B geometries and row count: us (median of `do_bench`, which clears the L2
+before each call, so every weight comes from HBM as in a decode step), weight GB/s, the fraction
+of the measured device-to-device copy bandwidth, and the ratio to bf16.
 
 Why: at batch 1 the fp8 decode step was no faster than bf16 (docs/performance-log.md, 2026-12-01
-23:20): this times the kernels alone, so the next tile choice is measured, not guessed.
+23:20): this times the kernels alone, so the tile table and the GEMV-or-`_scaled_mm` choice in
+ops/quant/gemv_tiles.py are measured, not guessed. --write-configs saves the best tiles as JSON;
+tools/bench_cuda_decode.py --gemv-configs runs a model with them.
 
-    PYTHONPATH=. python tools/bench_fp8_linear.py --rows 1,4,16
+    PYTHONPATH=. python tools/bench_fp8_linear.py --rows 1,2,4,8 --write-configs /tmp/gemv.json
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 
 import torch
 import torch.nn.functional as F
@@ -22,55 +28,138 @@ SHAPES = {  # name: (N, K) of the fused projections
     "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096),
     "8b down": (4096, 14336), "8b head": (128256, 4096),
 }  # fmt: skip
-SWEEP = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5)))
+# (BLOCK_N, BLOCK_K, num_warps, SPLIT_K): the full sweep at one row, a short one at more rows.
+# Tiles that spill registers when compiled for sm_90 offline (16x1024 and 32-wide at 4 warps;
+# the kernel holds two slices) are left out; splits go on the tiles with the most bytes in flight
+SWEEP = [c for c in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (1,))
+         if c[:3] != (16, 1024, 4)]  # fmt: skip
+SWEEP += [(*t, s) for t in ((4, 512, 4), (8, 256, 4), (8, 512, 4), (4, 1024, 8)) for s in (2, 4, 8)]
+SHORT_SWEEP = [(*t, s) for t in ((4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4),
+                                 (16, 256, 4)) for s in (1, 4)]  # fmt: skip
 
 
-def time_shape(name: str, m: int, n: int, k: int, sweep: bool) -> str:
+def ms(fn) -> float:
     from triton.testing import do_bench
 
+    return do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def _compile(jobs) -> int:
+    """Run the GEMV once per (rows, weight dtype, config) on a shape every split divides: the
+    kernels land in Triton's on-disk cache, where the sweep then finds them."""
+    from ops.quant.gemv_triton import gemv
+
+    for m, dtype, cfg in jobs:  # int8 scales are in the activation dtype, fp8's in fp32
+        w = torch.ones(2048, 32768, device="cuda").to(dtype)
+        scale = torch.ones(
+            2048, device="cuda", dtype=torch.bfloat16 if dtype == torch.int8 else None
+        )
+        gemv(torch.ones(m, 32768, device="cuda").bfloat16(), w, scale, cfg)
+    torch.cuda.synchronize()
+    return len(jobs)
+
+
+def precompile(rows, workers: int) -> None:
+    """Compile every sweep kernel in `workers` processes at once (one compile is ~1 s serially)."""
+    import multiprocessing
+
+    jobs = [(m, dtype, cfg) for m in rows for dtype in (torch.float8_e4m3fn, torch.int8)
+            for cfg in (SWEEP if m == 1 else SHORT_SWEEP)]  # fmt: skip
+    chunks = [jobs[i::workers] for i in range(workers)]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        done = sum(pool.map(_compile, chunks))
+    print(f"precompiled {done} kernels in {workers} processes", flush=True)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 1 GiB, bytes read + written per second (the ceiling used)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (ms(lambda: dst.copy_(src)) / 1e3)
+
+
+def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tuple[dict, tuple]:
     from ops.quant import fp8
-    from ops.quant.fp8_triton import weight_only_matmul
+    from ops.quant.gemv_tiles import block_rows, pick_config
+    from ops.quant.gemv_triton import gemv
+    from ops.quant.int_linear import quantize_int8
 
     w = torch.randn(n, k, device="cuda").bfloat16() * 0.02
     x = torch.randn(m, k, device="cuda").bfloat16()
-    packed = fp8.quantize_fp8(w)
-    want = x.float() @ packed.dequantize().float().T
-
-    def ms(fn) -> float:
-        return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
+    f8, i8 = fp8.quantize_fp8(w), quantize_int8(w)
+    want = x.float() @ (f8.weight.float() * f8.scale[:, None]).T
     bf16 = ms(lambda: F.linear(x, w))
-    fp8.WEIGHT_ONLY_MAX_ROWS = 0
-    scaled = ms(lambda: packed.matmul(x))
-    row = [f"{name} M={m}: bf16 {bf16 * 1e3:.1f} us ({n * k * 2 / bf16 / 1e6:.0f} GB/s)",
-           f"_scaled_mm {scaled * 1e3:.1f} us ({bf16 / scaled:.2f}x)"]  # fmt: skip
-    best = None
-    for cfg in [None, *SWEEP] if sweep else [None]:
+    limit, fp8.WEIGHT_ONLY_MAX_ROWS = fp8.WEIGHT_ONLY_MAX_ROWS, 0
+    scaled = ms(lambda: f8.matmul(x))
+    fp8.WEIGHT_ONLY_MAX_ROWS = limit
+    results = []
+    for cfg in sweep:
+        if cfg[1] > k or (cfg[3] > 1 and k % (cfg[3] * cfg[1])):
+            continue  # a split that does not divide K would run unsplit: timed already
         try:
-            out = weight_only_matmul(x, packed.weight, packed.scale, cfg)
+            out = gemv(x, f8.weight, f8.scale, cfg)
         except Exception as exc:  # a tile Triton cannot compile: skipped, and said
-            row.append(f"{cfg}: {type(exc).__name__}")
+            print(f"  {name} M={m} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
             continue
         err = float((out.float() - want).norm() / want.norm())
-        t = ms(lambda cfg=cfg: weight_only_matmul(x, packed.weight, packed.scale, cfg))
-        if cfg is None:
-            row.append(f"weight-only default {t * 1e3:.1f} us ({bf16 / t:.2f}x)")
-        if err < 4e-3 and (best is None or t < best[0]):
-            best = (t, cfg)
-    if best is not None:
-        t, cfg = best
-        row.append(f"best {cfg} {t * 1e3:.1f} us ({n * k / t / 1e6:.0f} GB/s, {bf16 / t:.2f}x)")
-    return "; ".join(row)
+        if err < 5e-3:
+            results.append((ms(lambda cfg=cfg: gemv(x, f8.weight, f8.scale, cfg)), cfg))
+    default_cfg = pick_config(m, n, k)
+    default = ms(lambda: gemv(x, f8.weight, f8.scale, default_cfg))
+    best_t, best = min(results, default=(default, default_cfg))
+    if default < best_t:
+        best_t, best = default, default_cfg
+    int8_gemv = ms(lambda: gemv(x, i8.qweight, i8.scales, best))
+    int8_torch = None
+    if m == 1:  # torch's kernel, for the ratio (slow: one row only)
+        int8_torch = ms(lambda: torch.ops.aten._weight_int8pack_mm(x, i8.qweight, i8.scales)) * 1e3
+    row = dict(shape=name, rows=m, n=n, k=k, bf16_us=round(bf16 * 1e3, 1),
+               bf16_bw_frac=round(n * k * 2 / (bf16 / 1e3) / ceiling, 3),
+               scaled_mm_us=round(scaled * 1e3, 1), gemv_default_us=round(default * 1e3, 1),
+               gemv_best_us=round(best_t * 1e3, 1), gemv_best=list(best),
+               gemv_bw_frac=round(n * k / (best_t / 1e3) / ceiling, 3),
+               fp8_over_bf16=round(bf16 / min(best_t, scaled), 2),
+               int8_gemv_us=round(int8_gemv * 1e3, 1), int8_torch_us=int8_torch and round(int8_torch, 1))  # fmt: skip
+    return row, ((block_rows(m), n, k), best)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", default="1")
-    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--shapes", default="", help="comma list of SHAPES names ('' = all)")
+    parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
+    parser.add_argument("--write-configs", default="", help="JSON file for the best tiles")
+    parser.add_argument("--json", default="", help="JSON lines file for the rows")
+    parser.add_argument("--precompile", type=int, default=0, help="compile in N processes first")
     args = parser.parse_args()
-    for m in [int(r) for r in args.rows.split(",")]:
-        for name, (n, k) in SHAPES.items():
-            print(time_shape(name, m, n, k, not args.no_sweep), flush=True)
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.precompile and not args.no_sweep:
+        precompile(rows, args.precompile)
+    ceiling = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {ceiling / 1e12:.2f} TB/s", flush=True)
+    names = [s for s in args.shapes.split(",") if s] or list(SHAPES)
+    table, lines = {}, []
+    for m in rows:
+        sweep = [] if args.no_sweep else SWEEP if m == 1 else SHORT_SWEEP
+        for name in names:
+            n, k = SHAPES[name]
+            row, (key, best) = time_shape(name, m, n, k, sweep, ceiling)
+            lines.append(row)
+            table[key] = best
+            print(json.dumps(row), flush=True)
+        if args.write_configs:  # after each row count: a run cut short keeps what it measured
+            with open(args.write_configs, "w") as f:
+                json.dump([[list(key), list(cfg)] for key, cfg in table.items()], f)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in lines)
+    print(
+        "shape rows: bf16 us | _scaled_mm us | gemv us (best tile, HBM frac) | int8 gemv / torch us"
+    )
+    for r in lines:
+        print(f"{r['shape']:>11} {r['rows']}: {r['bf16_us']:7.1f} | {r['scaled_mm_us']:7.1f} | "
+              f"{r['gemv_best_us']:7.1f} ({tuple(r['gemv_best'])}, {r['gemv_bw_frac']:.2f}) | "
+              f"{r['int8_gemv_us']:7.1f} / {r['int8_torch_us'] or '-'}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ plus, with --weights, random MXFP4 safetensors (use --layers to keep it small on
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -237,44 +238,49 @@ def _peak(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device.startswith("cuda") else rss_bytes()
 
 
-SWEEP = [(32, 128, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
-         (64, 256, 4, 4), (64, 512, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3)]  # fmt: skip
+GEMV_SWEEP = [((32, 32, 4, True), (16, 32, 4, True)), ((16, 8, 4, True), (16, 8, 4, True)),
+              ((64, 32, 4, True), (32, 32, 4, True)), ((32, 32, 8, True), (32, 32, 8, True)),
+              ((8, 128, 4, True), (8, 128, 4, True)),
+              ((32, 64, 8, True), (16, 64, 8, True))]  # fmt: skip
+GROUPED_SWEEP = [(128, 2, 4, 4, True), (128, 2, 4, 4, False), (64, 4, 4, 3, True),
+                 (128, 4, 8, 3, True), (64, 2, 4, 4, True), (256, 2, 8, 3, True)]  # fmt: skip
 
 
 def sweep(args) -> None:
-    """Kernel configs (BLOCK_N, BLOCK_K, warps, stages) for the routed expert matmuls, timed in
-    a CUDA graph on one gpt-oss-20b layer; each checked against the default config's output."""
-    from ops.quant.mxfp4_triton import moe_experts_mxfp4
+    """Block configs of the packed MoE kernels (ops/quant/mxfp4_triton.py), timed in a CUDA graph
+    on one gpt-oss-20b layer, each checked against the default config's output: the decode
+    formulation (gate_up and down (BLOCK_N, BLOCK_G, warps, WORDS)) at the first token count,
+    the grouped one ((BLOCK_N, BLOCK_G, warps, stages, WORDS)) above GEMV_MAX_TOKENS, and both
+    formulations' defaults at the counts in between (where they cross over)."""
+    from ops.quant.mxfp4_triton import GEMV_MAX_TOKENS, moe_experts_mxfp4
 
     dev = torch.device(args.device)
     h, i, e, k, gu, dn = random_layer(dev)
-    gub = torch.zeros(e, 2 * i, device=dev, dtype=torch.bfloat16)
-    dnb = torch.zeros(e, h, device=dev, dtype=torch.bfloat16)
+    gub = torch.randn(e, 2 * i, device=dev, dtype=torch.bfloat16) * 0.1
+    dnb = torch.randn(e, h, device=dev, dtype=torch.bfloat16) * 0.1
     per_expert = (gu.blocks.numel() + gu.scales.numel() + dn.blocks.numel() + dn.scales.numel()) / e
-    times: dict = {cfg: {} for cfg in SWEEP}
     for t in args.tokens:
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
         top = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
+        scores = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
         hit = int(torch.unique(top).numel())
-        want = moe_experts_mxfp4(x, top, gu, gub, dn, dnb, 7.0, 1.702)
-        for cfg in SWEEP:
-            got = moe_experts_mxfp4(x, top, gu, gub, dn, dnb, 7.0, 1.702, cfg)
-            same = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        want = moe_experts_mxfp4(x, top, scores, gu, gub, dn, dnb, 7.0, 1.702)
+        cases = [("grouped", c) for c in GROUPED_SWEEP]
+        if t == args.tokens[0] and t <= GEMV_MAX_TOKENS:
+            cases = [("gemv", c) for c in GEMV_SWEEP] + [("grouped", None)]
+        elif t <= 8:
+            cases = [("gemv", None), ("grouped", None)]
+        for form, cfg in cases:
+            run = functools.partial(moe_experts_mxfp4, x, top, scores, gu, gub, dn, dnb, 7.0,
+                                    1.702, formulation=form, config=cfg)  # fmt: skip
+            err = ((run().float() - want.float()).abs().max() / want.float().abs().max()).item()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                moe_experts_mxfp4(x, top, gu, gub, dn, dnb, 7.0, 1.702, cfg)
+                run()
             ms = _time_cuda(graph.replay, args.repeats)
-            times[cfg][t] = ms
             gbs = hit * per_expert / (ms * 1e-3) / 1e9
-            print(
-                f"tokens {t}: {cfg} {ms:.3f} ms, {gbs:.0f} GB/s of routed experts, match={same}",
-                flush=True,
-            )
-    best_t = {t: min(times[c][t] for c in SWEEP) for t in args.tokens}
-    best = min(SWEEP, key=lambda c: sum(times[c][t] / best_t[t] for t in args.tokens))
-    print(
-        f"best over these token counts: {best} (ops/quant/mxfp4_triton.py CONFIGS holds the choice)"
-    )
+            print(f"tokens {t}: {form} {cfg} {ms * 1e3:.1f} us, {gbs:.0f} GB/s of routed experts, "
+                  f"max err / max {err:.1e}", flush=True)  # fmt: skip
     op(args)
 
 

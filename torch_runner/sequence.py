@@ -82,7 +82,9 @@ class Sequence:
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= num_prompt:  # a decode step's token: no copy of the whole sequence
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(int(token_id))

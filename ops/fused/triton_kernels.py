@@ -181,3 +181,58 @@ def rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, slots, num_q_heads: int)
         num_warps=1, enable_fp_fusion=False,  # no FMA: torch rounds x*cos before the add
     )  # fmt: skip
     return q
+
+
+GREEDY_CHUNK = 4096  # logits per program of the greedy pick's first pass
+_FLOAT_MAX = tl.constexpr(3.4028234663852886e38)  # torch.finfo(torch.float32).max (a constexpr:
+# kernels read only constexpr globals)
+
+
+@triton.jit
+def _greedy_chunk_kernel(L, Best, Index, Bad, stride_l, V, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < V
+    x = tl.load(L + row * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    bad = ok & ((x != x) | (tl.abs(x) == float("inf")))
+    x = tl.where(x != x, float("-inf"), x)  # the sampler's nan_to_num: NaN never wins,
+    x = tl.where(x == float("inf"), _FLOAT_MAX, x)  # +inf becomes the largest float
+    best, index = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    out = row * NCHUNK + c
+    tl.store(Best + out, best)
+    tl.store(Index + out, c * CHUNK + index)
+    tl.store(Bad + out, tl.max(bad.to(tl.int32), 0))
+
+
+@triton.jit
+def _greedy_merge_kernel(Best, Index, Bad, Tokens, Picks, NCHUNK: tl.constexpr, PAD: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, PAD)
+    ok = c < NCHUNK
+    best = tl.load(Best + row * NCHUNK + c, mask=ok, other=float("-inf"))
+    index = tl.load(Index + row * NCHUNK + c, mask=ok, other=0)
+    bad = tl.load(Bad + row * NCHUNK + c, mask=ok, other=0)
+    _, at = tl.max(best, 0, return_indices=True, return_indices_tie_break_left=True)
+    pick = tl.sum(tl.where(c == at, index, 0), 0).to(tl.int64)  # chunks are in column order:
+    tl.store(Picks + row, pick)  # the first chunk holding the maximum holds its first index
+    tl.store(Tokens + row, tl.where(tl.max(bad, 0) > 0, -1, pick))
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens of logits [B, V] in two passes: (token ids [B] int64, -1 where a row holds
+    NaN/inf; picks [B], the first index of each row's maximum after NaN -> -inf, +inf -> max)."""
+    b, v = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    nchunk = triton.cdiv(v, GREEDY_CHUNK)
+    best = torch.empty((b, nchunk), dtype=torch.float32, device=logits.device)
+    index = torch.empty((b, nchunk), dtype=torch.int32, device=logits.device)
+    bad = torch.empty((b, nchunk), dtype=torch.int32, device=logits.device)
+    tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
+    picks = torch.empty(b, dtype=torch.int64, device=logits.device)
+    _greedy_chunk_kernel[(b, nchunk)](logits, best, index, bad, logits.stride(0), v,
+                                      CHUNK=GREEDY_CHUNK, NCHUNK=nchunk, num_warps=4)  # fmt: skip
+    _greedy_merge_kernel[(b,)](best, index, bad, tokens, picks, NCHUNK=nchunk,
+                               PAD=triton.next_power_of_2(nchunk), num_warps=1)  # fmt: skip
+    return tokens, picks

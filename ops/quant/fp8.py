@@ -6,9 +6,13 @@ step streams 1 byte per weight instead of 2. Activations are quantized per token
 the fly, as vLLM's dynamic scheme does: s_x = max|x_row| / 448, one fused Triton kernel
 (ops/quant/fp8_triton.py) writes the fp8 row and its scale; the matmul applies s_x [M, 1] and the
 weight's per-channel s_w [1, N] to the fp32 accumulator (torch's row-wise scaling, bf16 output).
+Decode batches skip the activation quantization where ops/quant/gemv_tiles.py measured it faster
+(every shape at one row): the Triton GEMV of ops/quant/gemv_triton.py streams the fp8 weight
+with bf16 activations, so those rows also carry no activation rounding.
 
-Everywhere else (CPU, a GPU without fp8 matmuls, a shape _scaled_mm refuses, block scales) the
-reference path runs: the weight is dequantised (fp8 -> fp32, times its scales, cast to the
+Block scales on such a GPU: decode rows (up to 8) run the same GEMV with each slice's block scale
+applied in registers. Everywhere else (CPU, a GPU without fp8 matmuls, a shape _scaled_mm
+refuses, block-scaled prefill) the reference path runs: the weight is dequantised (fp8 -> fp32, times its scales, cast to the
 activation dtype) and multiplied densely in the activation dtype, with unquantized activations;
 it equals a dense model holding the dequantised weights bit for bit.
 
@@ -23,17 +27,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ops.quant.gemv_tiles import MAX_ROWS, fp8_takes_gemv
 from ops.quant.int_linear import QuantizedLinearWeight
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_EPS = 1e-12  # an all-zero row gets this scale, not 0 (no 0 / 0)
 SCALED_MM_ALIGN = 16  # _scaled_mm needs K and N divisible by 16
-# up to this many rows (decode batches) CUDA runs the Triton weight-only kernel instead
-# (fp8 weights upcast in registers, activations unquantized): no quantize launch per linear
-# (measured at batch 1 on the H200: faster than _scaled_mm on both Llama geometries; larger
-# batches were not measured, so they keep the _scaled_mm path)
-WEIGHT_ONLY_MAX_ROWS = 1
+# decode batches of up to this many rows may run the weight-only GEMV instead (0: never):
+# ops/quant/gemv_triton.py, fp8 weights upcast in registers, activations unquantized, no
+# quantize launch; ops/quant/gemv_tiles.py says, per shape and row count, which one measured faster
+WEIGHT_ONLY_MAX_ROWS = 8
 
 
 class Fp8Weight(QuantizedLinearWeight):
@@ -51,16 +55,24 @@ class Fp8Weight(QuantizedLinearWeight):
         self.weight, self.block = weight, block
         self.scale = scale.to(device=weight.device, dtype=torch.float32).contiguous()
         self.uses_scaled_mm = block is None and can_scaled_mm(self.device, *weight.shape)
+        # block scales on an fp8 GPU: decode rows run the GEMV with the block scales applied
+        # per slice (the reference path would dequantise the whole weight at every matmul)
+        self.uses_block_gemv = block is not None and device_fp8_support(self.device) is None
         if self.uses_scaled_mm:
             self.scale_row = self.scale.view(1, -1)  # [1, N] for row-wise scaling
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        is_half = x.dtype in (torch.bfloat16, torch.float16)
+        if self.uses_block_gemv and is_half and x.shape[0] <= min(WEIGHT_ONLY_MAX_ROWS, MAX_ROWS):
+            from ops.quant.gemv_triton import gemv
+
+            return gemv(x, self.weight, self.scale, block=self.block)
         if not self.uses_scaled_mm:
             return F.linear(x, self.dequantize())
-        if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-            from ops.quant.fp8_triton import weight_only_matmul
+        if is_half and fp8_takes_gemv(x.shape[0], *self.shape, WEIGHT_ONLY_MAX_ROWS):
+            from ops.quant.gemv_triton import gemv
 
-            return weight_only_matmul(x, self.weight, self.scale)
+            return gemv(x, self.weight, self.scale)
         from ops.quant.fp8_triton import quantize_rows
 
         xq, x_scale = quantize_rows(x)  # [M, K] e4m3, [M, 1] fp32

@@ -4,6 +4,8 @@ Why torch's own kernels: `aten._weight_int8pack_mm` and `aten._weight_int4pack_m
 `_weight_int4pack_mm`, bf16 only) read the packed weights and dequantise inside the matmul, so a
 decode step streams 1 / 0.5 byte per weight instead of 2 (bf16) or 4 (fp32). An object of
 this module stands where a weight tensor stood; `ops.linear` sees `is_quantized` and calls it.
+Except: CUDA int8 at decode shapes (up to INT8_GEMV_MAX_ROWS rows) runs the Triton GEMV of
+ops/quant/gemv_triton.py, since torch's CUDA int8 kernel is slow at one row.
 
 Formats (the oracles in tests/test_ops_quant_int.py dequantise them with plain torch ops):
 - int8: q [N, K] int8 = round(w / s), s [N] = max|w_row| / 127; w ~ q * s.
@@ -28,6 +30,11 @@ import torch
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_INNER_K_TILES = 2
 MODES = ("int8", "int4")
+# CUDA: int8 linears of up to this many rows (decode) run the Triton GEMV
+# (ops/quant/gemv_triton.py): at one row torch's `_weight_int8pack_mm` took 5.7-21x its time on
+# the Llama-1B / 8B projections (H200, tools/bench_fp8_linear.py, docs/performance-log.md), and
+# the GEMV's 8-row time is 1.3-6.9x its 1-row time (torch's kernel at 8 rows was not timed)
+INT8_GEMV_MAX_ROWS = 8
 
 
 class QuantizedLinearWeight:
@@ -75,6 +82,10 @@ class Int8Weight(QuantizedLinearWeight):
         self.compute_scales = self.scales.to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] <= INT8_GEMV_MAX_ROWS and x.dtype != torch.float32:
+            from ops.quant.gemv_triton import gemv  # triton: imported on CUDA only
+
+            return gemv(x, self.qweight, self.compute_scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.compute_scales)
 
     def dequantize(self) -> torch.Tensor:

@@ -7,9 +7,9 @@ against 9.5 GiB for gpt-oss-20b). Each expert matrix is the row-major [R, C] = [
 so an expert computes `x @ W.T`.
 
 Backends, chosen per call by the weight's device (the routing is ops.moe's, unchanged):
-- CUDA: a Triton kernel reads the bytes and scales and multiplies in registers, over tokens
-  sorted by expert into fixed-size blocks; no host sync, so CUDA graphs capture it
-  (ops/quant/mxfp4_triton.py).
+- CUDA: Triton kernels read the bytes and scales and multiply in registers: per (token, expert)
+  pair for decode-sized steps, over per-expert token lists on the tensor cores for larger ones;
+  no host sync, so CUDA graphs capture it (ops/quant/mxfp4_triton.py).
 - everything else (CPU, MPS): only the experts this step routes to are dequantised, in tiles
   of at most TILE_ELEMENTS values, each tile consumed by one matmul.
 """
@@ -47,6 +47,7 @@ FP4_E2M1_VALUES = (
 SCALE_BIAS = 127
 GROUP_SIZE = 32  # values per scale
 TILE_ELEMENTS = 1 << 21  # dequantised values alive at once in the tiled path (8 MiB in fp32)
+FUSED_ROUTER = True  # CUDA: route()'s top-k + softmax in one Triton launch (3 torch launches)
 
 
 @dataclass(frozen=True)
@@ -167,19 +168,17 @@ def moe_gpt_oss_mxfp4(
             f"moe_gpt_oss: packed experts are [{gate_up_proj.out_features}, {gate_up_proj.in_features}] "
             f"and [{down_proj.out_features}, {down_proj.in_features}]; x has hidden size {x.shape[-1]}"
         )
-    logits = linear(x, router_weight, router_bias)  # [T, E]
-    top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
-    scores = torch.softmax(top_val, dim=-1)
+    top_idx, scores = route(x, router_weight, router_bias, top_k)
     num_local = gate_up_proj.num_experts
     if num_local != router_weight.shape[0]:  # expert parallel (ops.routing.local_experts)
         top_idx, scores = local_experts(top_idx, scores, expert_start, num_local)
     if x.device.type == "cuda":
         from ops.quant.mxfp4_triton import moe_experts_mxfp4
 
-        y = moe_experts_mxfp4(
-            x, top_idx, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, limit, alpha
-        )  # [T, k, H]
-        return (y * scores[..., None]).sum(dim=1).to(x.dtype)
+        return moe_experts_mxfp4(
+            x, top_idx, scores, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
+            limit, alpha, is_expert_parallel=num_local != router_weight.shape[0],
+        )  # fmt: skip
     out = torch.zeros_like(x)
     for expert, rows, slots in route_groups(top_idx, num_local):
         h = expert_linear(x[rows], gate_up_proj, expert, gate_up_proj_bias[expert])  # [t, 2I]
@@ -187,6 +186,19 @@ def moe_gpt_oss_mxfp4(
         y = expert_linear(h, down_proj, expert, down_proj_bias[expert])  # [t, H]
         out.index_add_(0, rows, (y * scores[rows, slots, None]).to(x.dtype))
     return out
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int):
+    """gpt-oss routing: (top_idx [T, k], scores [T, k]) = top-k of the router logits and the
+    softmax over those k. CUDA: the top-k and softmax in one Triton launch (ops/routing_triton.py;
+    ties go to the lowest expert index, as torch.topk's CUDA kernel does); elsewhere torch ops."""
+    logits = linear(x, weight, bias)  # [T, E]
+    if x.is_cuda and FUSED_ROUTER:
+        from ops.routing_triton import top_k_softmax
+
+        return top_k_softmax(logits, top_k)
+    top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [T, k]
+    return top_idx, torch.softmax(top_val, dim=-1)
 
 
 def swiglu(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:

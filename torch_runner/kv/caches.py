@@ -202,10 +202,14 @@ class PagedStepMeta:
         kv_lens = [s + m for s, m in zip(starts, num_new)]
         s_max = max(kv_lens)
         width = max(len(t) for t in block_tables)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        padded = [x for t in block_tables for x in (*t, *([0] * (width - len(t))))]
+        self.is_dense = all(m == n for m in num_new)  # no padded query tokens
+        # the new tokens' rows of the padded [B * N] input (known here: no nonzero() sync)
+        rows = [] if self.is_dense else [i * n + j for i, m in enumerate(num_new) for j in range(m)]
+        device = torch.device(device)
+        tables, lens, offsets, write_rows = _to_device((padded, kv_lens, starts, rows), device)
+        tables = tables.view(b, width)  # [B, blocks]
         as_long = dict(dtype=torch.int64, device=device)
-        tables = torch.tensor(padded, **as_long)  # [B, blocks]
-        lens = torch.tensor(kv_lens, **as_long)  # [B]
         self.block_tables, self.kv_lens, self.block_size = tables, lens, block_size
         pos = torch.arange(s_max, **as_long)  # [S]
         pages = tables[:, pos // block_size]  # [B, S]
@@ -214,16 +218,13 @@ class PagedStepMeta:
         # read the zero pad slot (the window masks them out; garbage there could be NaN)
         hidden = (pos >= lens[:, None]) | (pages < 0)
         self.gather_slots = slots.masked_fill_(hidden, pad_slot).view(-1)  # [B * S]
-        new = torch.tensor(num_new, **as_long)
-        offsets = torch.tensor(starts, **as_long)[:, None] + torch.arange(n, **as_long)  # [B, N]
+        offsets = offsets[:, None] + torch.arange(n, **as_long)  # [B, N]
         write = slots.view(b, s_max).gather(1, offsets.clamp_(max=s_max - 1))  # [B, N]
-        self.is_dense = all(m == n for m in num_new)  # no padded query tokens
         if self.is_dense:
             self.write_rows = None
             self.write_slots = write.view(-1)
         else:
-            valid = (torch.arange(n, **as_long) < new[:, None]).view(-1)
-            self.write_rows = valid.nonzero().squeeze(1)
+            self.write_rows = write_rows
             self.write_slots = write.view(-1)[self.write_rows]
         self.shape = (b, n, s_max)
         # one row whose blocks are consecutive (the common single-request case): its keys are a
@@ -239,6 +240,22 @@ class PagedStepMeta:
             self.first_slot = table[0] * block_size
         is_tail = len(set(kv_lens)) == 1 and len(set(num_new)) == 1
         self.layout = KeyLayout.contiguous(lens, is_causal_tail=is_tail)
+
+
+def _to_device(parts, device: torch.device) -> list[torch.Tensor]:
+    """int64 tensors of the int lists `parts` on `device` from one host-to-device copy: from
+    pinned memory on CUDA, queued like a kernel (a pageable `torch.tensor(list, device=cuda)`
+    waits for every kernel queued before it: 4 such waits per eager step before)."""
+    host = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+    if device.type == "cuda":
+        flat = host.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = host.to(device)
+    out, at = [], 0
+    for part in parts:
+        out.append(flat[at : at + len(part)])
+        at += len(part)
+    return out
 
 
 def decode_from_pool(pool, layer, write_slots, tables, kv_lens, q, k, v, sm_scale, sinks, window):

@@ -29,6 +29,7 @@ from torch_runner.kv.caches import (
 from torch_runner.kv.windows import payload_source, restore_windows
 from torch_runner.runner.cpu_decode import FlatDecoder, supports_fast_decode
 from torch_runner.runner.cuda_graphs import DecodeGraphs
+from torch_runner.runner.graph_head import GraphHead
 from torch_runner.runner.launched import (
     NON_FINITE_TOKEN,
     LaunchedStep,
@@ -151,6 +152,8 @@ class ModelRunner:
         if is_cpu and supports_fast_decode(self.model, self.args):
             reduce = None if tensor_parallel is None else tensor_parallel.group.all_reduce
             self.fast_decode = FlatDecoder(self.model, reduce)
+        # decode steps whose sampling allows it sample inside the graph (False: always eager)
+        self.graph_sampling = True
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.random_seed)
         # the last launched step's sampled tokens [M] (on the device) and each request's row:
@@ -295,6 +298,9 @@ class ModelRunner:
 
         grammar_rows(sampled_chunks) -> list of additive [V] rows or None (structured output).
         """
+        launched = self._launch_graph_step(chunks)
+        if launched is not None:
+            return launched
         forward = self.forward_logits(chunks)
         if forward is None:
             return LaunchedStep([])
@@ -323,6 +329,49 @@ class ModelRunner:
         # the next step's chained rows read the sampler's ids (always valid vocabulary ids)
         self._future = (out.token_ids, {s.request_id: i for i, s in enumerate(seqs)})
         return LaunchedStep(seqs, token_ids, out.logprobs, out.top_logprobs)
+
+    def _launch_graph_step(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
+        """A pure-decode step whose sampling a graph can run (graph_head.py: all rows greedy, or
+        all on one seeded random path; no logprobs, logit edits, penalties or grammar): the
+        decode graph also runs the lm_head and the sampler, so the step is one replay. None:
+        not such a step (the eager sampler takes it)."""
+        graphs = self.decode_graphs
+        if graphs is None or not self.graph_sampling or not graphs.can_run(chunks):
+            return None
+        if not all(c.is_sampled and _is_graph_sampled(c.seq.params, self.deterministic)
+                   for c in chunks):  # fmt: skip
+            return None
+        seqs = [c.seq for c in chunks]
+        batch = None
+        head = GraphHead(self.vocab_size, "greedy")
+        if not all(s.params.is_greedy for s in seqs):
+            batch = SamplingBatch.build(
+                [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+                [_output_ids(c) for c in chunks], self.vocab_size, self.device,
+                deterministic=self.deterministic, eos_token_ids=self.eos_token_ids,
+            )  # fmt: skip
+            head = GraphHead.for_batch(batch, self.vocab_size)
+            if head is None:  # rows on different paths
+                return None
+        tokens = [self._input_tokens(c)[0] for c in chunks]
+        future = self._future[0] if any(_is_chained(c) for c in chunks) else None
+        token_ids, picks = graphs.forward(chunks, tokens, future, head, batch)
+        self._future = (picks, {s.request_id: i for i, s in enumerate(seqs)})
+        return LaunchedStep(seqs, token_ids)
+
+
+def _is_graph_sampled(params, deterministic: bool) -> bool:
+    """Rows a graph head can sample (graph_head.py): greedy, or seeded (a request seed, or the
+    engine's deterministic mode), with nothing the sampler must read per step from the host:
+    no logprobs, logit_bias, penalties, min_tokens (its EOS ban is a logit edit) or grammar."""
+    return (
+        (params.is_greedy or params.seed is not None or deterministic)
+        and not params.logprobs
+        and not params.logit_bias
+        and not params.has_penalties
+        and not params.min_tokens
+        and params.structured is None
+    )
 
 
 def _is_chained(chunk) -> bool:

@@ -1,0 +1,170 @@
+"""CUDA: one-row / few-row weight-only matmul (GEMV) for 1-byte weights, fp8 (e4m3) or int8, with
+per-output-channel scales: out[M, N] = (x[M, K] @ w[N, K].T) * s[N], x unquantized (or fp8
+with 2-D block scales, applied per slice).
+
+Why a GEMV and not a tiled matmul: at decode (M <= a few rows) the product is bound by streaming
+the weight once, and a tensor-core tile (M padded to 16) leaves each program few bytes in flight.
+Here a program owns BLOCK_N output channels and a 1/SPLIT_K share of their rows, walked in
+BLOCK_K slices: [BLOCK_N, BLOCK_K] 1-byte loads, 16 contiguous bytes per thread (rows are
+K-contiguous), upcast to fp32 in registers, times the fp32 rows of x (every program reads the
+same x, from L2), fp32 accumulation; one row's products stay element-wise until the loop ends
+(one reduction per program), several rows reduce each slice. The scale multiplies the fp32 sum
+once per channel. The next slice is loaded before the current one is used (two in flight per
+program). Measured at one row (H200): 0.54-0.72 of the copy bandwidth on the large matrices,
+0.13-0.44 on the small, launch-bound ones (docs/performance-log.md, 2026-12-02).
+
+Split-K (for narrow N with few programs; it won the narrow shapes at 2-8 rows, none at one row):
+each program writes its fp32 partial sums to a workspace and bumps its column block's counter;
+the last of the SPLIT_K programs to arrive adds the partials (in split order, so the result does
+not depend on who arrives last), scales, writes the output and resets the counter to 0 for the
+next call. One launch, no memset, no second pass. The workspace and counters are allocated once
+per device (outside graph capture; a call captured before any eager call runs unsplit), so split
+calls on one device must be ordered (one stream, as the engine's steps are), never concurrent.
+No host sync; the grid depends on N and M only, so CUDA graphs capture it.
+
+Tiles (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) per shape come from ops/quant/gemv_tiles.py (measured
+on the H200 by tools/bench_fp8_linear.py's sweep, with a rule for shapes not measured).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ops.quant.gemv_tiles import block_rows, pick_config
+
+WORKSPACE_FLOATS = 2**22  # fp32 partials [SPLIT_K, BLOCK_M, N] of one split call (16 MiB)
+MAX_COUNTERS = 2**16  # column blocks of one split call
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@triton.jit
+def _load_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] weight slice and its [BLOCK_M, BLOCK_K] rows of x, raw (1-byte
+    weights stay packed in registers until used); ok False loads nothing (past the split)."""
+    if EVEN_K:  # rows past N load nothing and are never stored
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & ok)
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & ok, other=0.0)
+    else:
+        k_ok = (cols < K)[None, :] & ok
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok)
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+    return w, x
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, stride_xm,
+          stride_wn, stride_om, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+          SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):  # fmt: skip
+    # SCALE_BK == 0: one scale per channel, s[N]; else one per (SCALE_BN, SCALE_BK) block,
+    # s[ceil(N / SCALE_BN), ceil(K / SCALE_BK)] (row stride stride_sn), BLOCK_K dividing SCALE_BK
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = pid_k * k_split + tl.arange(0, BLOCK_K)  # k_split: a multiple of BLOCK_K (host)
+    n_ok = rn < N  # uniform along a row: the 16-byte loads stay vectorised
+    m_ok = rm < M
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    if BLOCK_M == 1:
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # register double buffering: the next slice's loads are issued before this slice's math, so
+    # each program keeps two tiles in flight (Triton's pipeliner leaves loads that feed no dot
+    # alone: num_stages changes nothing here, seen in the SASS)
+    w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk, n_ok, m_ok, K, k_split > 0, EVEN_K)
+    for k0 in range(0, k_split, BLOCK_K):
+        w, x = w_next, x_next
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk + k0 + BLOCK_K, n_ok, m_ok, K,
+                                     k0 + BLOCK_K < k_split, EVEN_K)  # fmt: skip
+        wf = w.to(tl.float32)
+        if SCALE_BK > 0:  # a slice lies inside one block column: one scale per channel row
+            kb = (pid_k * k_split + k0) // SCALE_BK
+            s_blk = tl.load(s_ptr + (rn // SCALE_BN) * stride_sn + kb, mask=n_ok, other=0.0)
+            wf = wf * s_blk[:, None]
+        if not EVEN_K:  # columns past K: zero weights (an unloaded byte may read as an fp8 NaN)
+            wf = tl.where((rk + k0 < K)[None, :], wf, 0.0)
+        xf = x.to(tl.float32)
+        if BLOCK_M == 1:
+            acc1 += wf * xf  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]: reduced once, after the loop
+        else:
+            acc += tl.sum(xf[:, None, :] * wf[None, :, :], axis=2)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]  # [1, BLOCK_N]
+    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    if SCALE_BK > 0:
+        scale = 1.0  # applied per slice above
+    else:
+        scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        ws = ws_ptr + rm[:, None] * N + rn[None, :]  # split s at ws + s * BLOCK_M * N
+        tl.store(ws + pid_k * BLOCK_M * N, acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partials stored before the release below
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last program of this column block
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):  # split order: the same sum whoever arrives last
+                total += tl.load(ws + s * BLOCK_M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, (total * scale).to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
+
+
+def block_slices(block_n: int, block_k: int, scale_bk: int) -> tuple[int, int]:
+    """A per-channel tile reshaped for block scales: slices no wider than (and dividing) the
+    scale block's columns, with more channels so a slice keeps its bytes (and registers)."""
+    narrow = min(block_k, scale_bk & -scale_bk)  # the largest power of two dividing scale_bk
+    return block_n * (block_k // narrow), narrow
+
+
+def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The device's split-K partials and counters (zeroed once; the kernel resets them), or None
+    inside a graph capture before any eager call made them (capture memory is the graph's)."""
+    found = _workspaces.get(device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if found is None and not capturing:
+        found = (torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
+                 torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device))  # fmt: skip
+        _workspaces[device] = found
+    return found
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config=None, block=None
+) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16 / fp32, M <= MAX_ROWS) @ weight [N, K].T (e4m3 or int8) times
+    scale [N] -> [M, N] in x's dtype, fp32 accumulation. block (bn, bk): scale holds one fp32
+    value per (bn, bk) block of the weight, [ceil(N / bn), ceil(K / bk)] (fp8 checkpoints'
+    `weight_block_size`). config: (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) to override the table
+    (tools/bench_fp8_linear.py)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_m = block_rows(m)
+    block_n, block_k, warps, split = config or pick_config(m, n, k)
+    scale_bn, scale_bk = block or (0, 0)
+    if block is not None:
+        block_n, block_k = block_slices(block_n, block_k, scale_bk)
+    num_blocks = triton.cdiv(n, block_n)
+    if k % (split * block_k) or split * block_m * n > WORKSPACE_FLOATS or num_blocks > MAX_COUNTERS:
+        split = 1  # the split path needs whole slices per split and room for its partials
+    ws = _workspace(x.device) if split > 1 else None
+    if ws is None:
+        split, ws = 1, (x, x)  # unused by the unsplit kernel
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_split = k // split if split > 1 else k
+    _gemv[(num_blocks, split)](x, weight, scale, out, *ws, m, n, k, k_split, x.stride(0),
+                               weight.stride(0), out.stride(0), scale.stride(0), BLOCK_M=block_m,
+                               BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                               EVEN_K=k_split % block_k == 0, SCALE_BN=scale_bn,
+                               SCALE_BK=scale_bk, num_warps=warps)  # fmt: skip
+    return out

@@ -1,0 +1,209 @@
+"""The one-row / few-row GEMV for fp8 and int8 weights (ops/quant/gemv_triton.py) against the
+dequantised-weights product in fp32: on CPU through Triton's interpreter (skipped where triton is
+not installed, as in CI), on CUDA for real (`pytest -m gpu`), including the routing of
+`Fp8Weight` / `Int8Weight` decode matmuls to it and a CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from triton_interpreter import run_in_interpreter
+
+import ops
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# (M, N, K, config): ragged N and K, every BLOCK_M, tiles smaller than the shapes, split-K
+# 2-8 ways (and one split that does not divide K: run unsplit)
+CASES = [(1, 40, 96, None), (3, 64, 512, None), (8, 20, 300, (8, 128, 4, 1)),
+         (1, 33, 1024, (16, 256, 4, 1)), (5, 16, 256, (4, 64, 4, 1)), (2, 24, 2048, None),
+         (1, 40, 1024, (8, 128, 4, 4)), (3, 64, 512, (16, 128, 4, 2)),
+         (8, 20, 2048, (8, 256, 4, 8)), (1, 24, 300, (8, 128, 4, 2))]  # fmt: skip
+
+
+BLOCK_CASES = [(1, 200, 300, (128, 128), None), (3, 64, 512, (32, 64), (8, 512, 4, 1)),
+               (1, 96, 1024, (32, 128), (4, 1024, 8, 2)), (8, 40, 256, (16, 128), (8, 256, 4, 1))]  # fmt: skip
+
+
+def gemv_case(m, n, k, kind, dtype=torch.bfloat16, device="cpu", seed=0):
+    """(x, packed weight, per-channel scale, fp32 oracle x @ dequantised(w).T)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=gen) * 2).to(device=device, dtype=dtype)
+    w = torch.randn(n, k, generator=gen)
+    scale = torch.rand(n, generator=gen) + 0.5
+    if kind == "fp8":
+        packed = w.to(torch.float8_e4m3fn)
+    else:  # int8 scales come in the activation dtype (ops/quant/int_linear.py)
+        packed = (w * 40).round().clamp(-128, 127).to(torch.int8)
+        scale = scale.to(dtype)
+    packed, scale = packed.to(device), scale.to(device)
+    want = x.float() @ (packed.float() * scale.float()[:, None]).T
+    return x, packed, scale, want
+
+
+def block_case(m, n, k, block, device="cpu", seed=0):
+    """(x, e4m3 weight, block scales [ceil(n/bn), ceil(k/bk)], fp32 oracle), scales spread 16x."""
+    from ops.quant.fp8 import dequantize
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn).to(device)
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    scale = (2 ** (torch.rand(grid, generator=gen) * 4 - 2)).to(device)
+    return x, w, scale, x.float() @ dequantize(w, scale, block).T
+
+
+def rel_err(got, want) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+INTERPRETER_CHECK = """
+import torch
+from test_ops_quant_gemv import BLOCK_CASES, CASES, block_case, gemv_case, rel_err
+from ops.quant.gemv_triton import _workspaces, gemv
+for kind in ("fp8", "int8"):
+    for i, (m, n, k, cfg) in enumerate(CASES):
+        x, w, s, want = gemv_case(m, n, k, kind, seed=i)
+        got = gemv(x, w, s, cfg)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n), (got.dtype, got.shape)
+        # bf16 output rounding only; every element written (torch.empty garbage would not pass)
+        assert torch.isfinite(got).all() and rel_err(got, want) < 1e-2, (kind, m, n, k)
+        # within one bf16 step of the fp32 oracle (the interpreter truncates fp32 -> bf16)
+        close = (got.float() - want).abs() <= want.abs() * 2**-7 + 1e-3
+        assert close.all(), (kind, m, n, k)
+    counts = _workspaces[torch.device("cpu")][1]
+    assert not counts.any()  # every split call reset its counters for the next one
+    x, w, s, want = gemv_case(3, 24, 200, kind, dtype=torch.float32, seed=9)
+    torch.testing.assert_close(gemv(x, w, s), want, rtol=1e-5, atol=1e-4)  # fp32: exact sums
+# block scales: ragged blocks at both edges, a tile wider than a block (sliced to it), split-K
+for i, (m, n, k, block, cfg) in enumerate(BLOCK_CASES):
+    x, w, s, want = block_case(m, n, k, block, seed=i)
+    got = gemv(x, w, s, cfg, block=block)
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1e-2, (m, n, k, block)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(
+    HAS_CUDA or not HAS_TRITON, reason="CPU interpreter check (with CUDA the kernel runs for real)"
+)
+def test_gemv_equals_the_dequantised_matmul_in_the_interpreter():
+    result = run_in_interpreter(INTERPRETER_CHECK)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_gemv_rejects_more_rows_than_it_holds():
+    from ops.quant.gemv_tiles import MAX_ROWS, block_rows
+
+    assert [block_rows(m) for m in (1, 2, 3, 5, MAX_ROWS)] == [1, 2, 4, 8, MAX_ROWS]
+    with pytest.raises(ValueError, match=f"gemv takes 1..{MAX_ROWS} rows; got {MAX_ROWS + 1}"):
+        block_rows(MAX_ROWS + 1)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("n,k", [(3072, 2048), (2048, 8192), (4100, 1000)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_cuda_gemv_equals_the_dequantised_matmul(kind, m, n, k):
+    from ops.quant.gemv_triton import gemv
+
+    x, w, s, want = gemv_case(m, n, k, kind, device="cuda", seed=m * 7 + n)
+    got = gemv(x, w, s)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert rel_err(got, want) < 5e-3
+    # split-K partials are summed in split order and the counters reset: a repeat is identical
+    assert torch.equal(gemv(x, w, s), got)
+
+
+TILE = (8, 256, 4, 1)
+
+
+def measured_tables(monkeypatch):
+    """A tile table measured for 2 and 4 rows of a [1024, 2048] weight, `_scaled_mm` faster at 4."""
+    from ops.quant import gemv_tiles
+
+    monkeypatch.setattr(gemv_tiles, "CONFIGS", {(2, 1024, 2048): TILE, (4, 1024, 2048): TILE})
+    monkeypatch.setattr(gemv_tiles, "SCALED_MM_FASTER", {(4, 1024, 2048)})
+
+
+def test_fp8_takes_the_gemv_where_the_table_measured_it_faster(monkeypatch):
+    from ops.quant.gemv_tiles import fp8_takes_gemv, pick_config
+
+    measured_tables(monkeypatch)
+    # rows: 1 unmeasured (one row: GEMV), 2 measured faster, 3 -> bucket 4 where _scaled_mm won,
+    # 5 -> bucket 8 unmeasured (past one row: _scaled_mm), 9 past the kernel
+    assert [fp8_takes_gemv(m, 1024, 2048, 8) for m in (1, 2, 3, 5, 9)] == [
+        True, True, False, False, False]  # fmt: skip
+    assert not fp8_takes_gemv(1, 1024, 2048, 0) and not fp8_takes_gemv(2, 1024, 2048, 1)
+    assert pick_config(2, 1024, 2048) == TILE
+    assert pick_config(1, 1024, 2048) == (8, 512, 4, 1)  # the rule, for a shape not measured
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_cuda_decode_matmuls_of_fp8_and_int8_weights_route_to_the_gemv(monkeypatch):
+    """Fp8Weight takes the GEMV where the table says so (and equals the oracle), `_scaled_mm`
+    elsewhere; Int8Weight takes it up to INT8_GEMV_MAX_ROWS rows, torch's kernel past them."""
+    from ops.quant import fp8, gemv_triton, int_linear
+
+    measured_tables(monkeypatch)
+    calls = []
+    real = gemv_triton.gemv
+    monkeypatch.setattr(gemv_triton, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w = torch.randn(1024, 2048, device="cuda").bfloat16() * 0.02
+    f8, i8 = fp8.quantize_fp8(w), int_linear.quantize_int8(w)
+    limit = int_linear.INT8_GEMV_MAX_ROWS
+    for packed, dense, routes in (
+        (f8, f8.weight.float() * f8.scale[:, None], ((1, True), (2, True), (3, False), (5, False))),
+        (i8, i8.qweight.float() * i8.scales.float()[:, None], ((1, True), (limit, True),
+                                                               (limit + 1, False))),
+    ):  # fmt: skip
+        for m, routed in routes:
+            calls.clear()
+            x = torch.randn(m, 2048, device="cuda").bfloat16()
+            got = ops.linear(x, packed)
+            assert bool(calls) == routed, (type(packed).__name__, m)
+            assert rel_err(got, x.float() @ dense.T) < (6e-2 if not routed else 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 4])
+def test_cuda_block_scaled_fp8_decode_runs_the_gemv_and_equals_the_dequantised_matmul(m):
+    """A 128x128-block fp8 weight on CUDA: decode rows through the GEMV (not the per-matmul
+    dequantisation), equal to the fp32 product of the dequantised weight."""
+    from ops.quant.fp8 import Fp8Weight
+
+    x, w, s, want = block_case(m, 3072, 2048 + 64, (128, 128), device="cuda", seed=m)
+    packed = Fp8Weight(w, s, torch.bfloat16, (128, 128))
+    assert packed.uses_block_gemv and not packed.uses_scaled_mm
+    got = ops.linear(x, packed)
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_cuda_gemv_replays_in_a_cuda_graph_without_host_sync():
+    from ops.quant.gemv_triton import gemv
+
+    x, w, s, want = gemv_case(2, 4096, 4096, "fp8", device="cuda")
+    static_x = x.clone()
+    gemv(static_x, w, s)  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemv(static_x, w, s)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    x2, _, _, _ = gemv_case(2, 4096, 4096, "fp8", device="cuda", seed=5)
+    static_x.copy_(x2)
+    graph.replay()
+    want2 = x2.float() @ (w.float() * s[:, None]).T
+    assert rel_err(out, want2) < 5e-3
