@@ -16,6 +16,7 @@ from torch import nn
 from tqdm import tqdm
 
 from models import weight_checks
+from models.errors import ModelLoadError
 from models.quantize import return_freed_memory
 from models.safetensors_io import SCRATCH_BYTES, Origins
 
@@ -62,8 +63,9 @@ def materialize(
             view = source.to(device=device, dtype=targets[name])
         state[name] = view
         del source, view
-        if check_finite and name not in keep_dtype:  # after the cast: an fp32 value past fp16's
-            # range is inf now (fp8 weights were checked for NaN codes by models/fp8.py)
+        if name in keep_dtype:  # fp8 weights kept as e4m3: no NaN code
+            _check_fp8(name, state[name])
+        elif check_finite:  # after the cast: an fp32 value past fp16's range is inf now
             weight_checks.check_finite(name, state[name])
         # the temporaries (a cast's source, check_finite's masks) freed between parameters kept:
         # handed back at once, or glibc serves later parameters around them and the heap grows
@@ -71,6 +73,15 @@ def materialize(
     model.load_state_dict(state, strict=True, assign=True)
     del scratch
     return_freed_memory()
+
+
+def _check_fp8(name: str, weight: torch.Tensor) -> None:
+    from models import fp8
+
+    try:
+        fp8.check_codes(name, weight)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _allocate_fused(model: nn.Module, targets: dict, device: torch.device) -> dict:

@@ -75,3 +75,19 @@ def test_load_fills_fused_buffers_and_keeps_no_mapping_of_the_file(tmp_path, mod
             attn.qkv_bias.untyped_storage().data_ptr()
             == attn.q_proj.bias.untyped_storage().data_ptr()
         )
+
+
+def test_fp8_nan_code_is_found_on_the_loaded_copy(tmp_path):
+    """fp8 NaN codes are counted on each weight's own copy (not on the mapped file): one NaN
+    byte (0x7F) is one load error naming the tensor."""
+    from fp8_checkpoints import rewrite, write_fp8_checkpoint
+
+    from models import ModelLoadError
+
+    fp8_dir, _ = write_fp8_checkpoint(tmp_path, "channel")
+    name = "model.layers.1.mlp.down_proj.weight"
+    weight = load_file(str(fp8_dir / "model.safetensors"))[name].clone()
+    weight.view(torch.uint8)[3, 5] = 0x7F
+    rewrite(fp8_dir, {name: weight})
+    with pytest.raises(ModelLoadError, match=rf"{name}' has 1 fp8 NaN value"):
+        load_model(fp8_dir, device="cpu", dtype="float32")
