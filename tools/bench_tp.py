@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -141,13 +142,12 @@ def rss_child(directory: str) -> None:
     sys.exit(0)
 
 
-def rss_run(threads: int, repeats: int) -> None:
+def _rss_rounds(directory: Path, threads: int, repeats: int):
     import subprocess
     import sys
 
     from torch_runner.distributed.group import free_port
 
-    directory = Path(tempfile.mkdtemp(prefix="bench_tp_rss_"))
     # written by a child: a process starts with its parent's max RSS (Linux keeps it over exec)
     written = subprocess.run([sys.executable, __file__, "--rss-write", str(directory)],
                              capture_output=True, text=True, check=True)  # fmt: skip
@@ -173,6 +173,15 @@ def rss_run(threads: int, repeats: int) -> None:
             out, _ = proc.communicate(timeout=600)
             report = json.loads(out.strip().splitlines()[-1])
             runs.setdefault((size, report["rank"]), []).append(report)
+    return nbytes, runs
+
+
+def rss_run(threads: int, repeats: int) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="bench_tp_rss_"))
+    try:
+        nbytes, runs = _rss_rounds(directory, threads, repeats)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)  # the 634 MB checkpoint
     weights_mb = nbytes / 2**20
     for (size, rank), reports in sorted(runs.items()):
         med = {k: statistics.median(r[k] for r in reports) for k in reports[0] if k != "rank"}
