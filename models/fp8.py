@@ -114,10 +114,16 @@ def take_scales(weights: dict[str, torch.Tensor], fmt: Fp8Format) -> dict[str, t
         if not scale.is_floating_point() or not torch.isfinite(scale.float()).all():
             raise ValueError(f"tensor {scale_name!r} must hold finite floating-point scales")
         qfp8.scale_layout(scale_name, weight.shape, scale.shape, fmt.block)  # raises on shape
-        if num_nan := qfp8.count_nan(weight):
-            raise ValueError(f"tensor {weight_name!r} has {num_nan} fp8 NaN value(s)")
+        # NaN codes: checked on each weight's own copy as it is loaded (check_codes, called by
+        # models/materialize.py), so these checks touch no page of the memory-mapped file
         checked[weight_name] = scale
     return checked
+
+
+def check_codes(name: str, weight: torch.Tensor) -> None:
+    """An e4m3 weight without NaN codes (the format has no inf); ValueError naming it."""
+    if num_nan := qfp8.count_nan(weight):
+        raise ValueError(f"tensor {name!r} has {num_nan} fp8 NaN value(s)")
 
 
 def dequantize_weights(weights: dict, scales: dict, fmt: Fp8Format) -> None:

@@ -107,8 +107,42 @@ def int4_blocks(
     return codes.astype(np.int32), d, zeros
 
 
-def read_weights(file: Path, expected: dict, hf_config, dtype: torch.dtype, quantization: str):
-    """(dense state dict in `dtype`, int4 sources {name: (codes, scales, zeros)}, chosen mode)."""
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32-value block
+
+
+def _cut_raw(data: np.ndarray, type_name: str, spec):
+    """A tensor-parallel rank's rows, or whole-block columns, of a tensor's raw GGUF data
+    [N, row bytes or values], before anything is decoded; returns it and what is still to cut
+    after decoding (the vocab pad rows; everything when columns would split a block)."""
+    if spec is None:
+        return data, None
+    dim, start, length, pad = spec
+    if dim == 0:
+        return data[start : start + length], (0, 0, length, pad) if pad else None
+    if type_name in AS_IS_TYPES:
+        return data[:, start : start + length], None
+    if type_name in BLOCK_BYTES and start % 32 == 0 and length % 32 == 0:
+        size = BLOCK_BYTES[type_name]
+        return data[:, start // 32 * size : (start + length) // 32 * size], None
+    return data, spec  # other block layouts: decoded whole, then cut
+
+
+def _finish_cut(tensor: torch.Tensor, spec) -> torch.Tensor:
+    if spec is None:
+        return tensor
+    from models.safetensors_io import pad_along
+
+    dim, start, length, pad = spec
+    return pad_along(tensor.narrow(dim, start, length), dim, pad).contiguous()
+
+
+def read_weights(
+    file: Path, expected: dict, hf_config, dtype: torch.dtype, quantization: str, slices=None
+):
+    """(dense state dict in `dtype`, int4 sources {name: (codes, scales, zeros)}, chosen mode).
+
+    slices: name -> (dim, start, length, pad), a tensor-parallel rank's part of each tensor
+    (torch_runner/distributed/shard.py): only those rows / blocks are decoded and re-packed."""
     import gguf
 
     reader = gguf.GGUFReader(str(file))
@@ -138,22 +172,38 @@ def read_weights(file: Path, expected: dict, hf_config, dtype: torch.dtype, quan
                 if ".q_proj." in name
                 else hf_config.num_key_value_heads
             )
+        spec = (slices or {}).get(name)
+        raw = np.asarray(t.data)
+        raw = raw.view(np.int16) if type_name == "BF16" else raw  # one element per column
+        data, later = _cut_raw(raw, type_name, spec)
+        if spec is not None and later != spec:  # cut before decoding: this rank's shape
+            rows = shape[0] if spec[0] else spec[2]
+            if heads:
+                heads = heads * rows // shape[0]  # a rank's rows are whole heads
+            shape = (rows, *shape[1:]) if spec[0] == 0 else (rows, spec[2], *shape[2:])
         if type_name in INT4_TYPES and quantization in ("auto", "int4") and len(shape) == 2:
-            codes, scales, zeros = int4_blocks(np.asarray(t.data), type_name, shape)
+            if later is not None and later[0]:
+                raise ModelLoadError(
+                    f"{file}: the {name} shard (columns {spec[1]}..{spec[1] + spec[2]}) would "
+                    "split the GGUF's 32-value Q4 blocks"
+                )
+            codes, scales, zeros = int4_blocks(data, type_name, shape)
             if heads:
                 codes, scales, zeros = (_llama_unpermute(a, heads) for a in (codes, scales, zeros))
             sources[name] = tuple(
-                torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scales, zeros)
+                _finish_cut(torch.from_numpy(np.ascontiguousarray(a)), later)
+                for a in (codes, scales, zeros)
             )
-            dense = (sources[name][0].float().reshape(*shape[:1], -1, 32) - 8) * sources[name][1][
-                ..., None
-            ]
-            weights[name] = (dense + sources[name][2][..., None]).reshape(shape).to(dtype)
+            codes, scales, zeros = sources[name]
+            dense = (codes.float().reshape(codes.shape[0], -1, 32) - 8) * scales[..., None]
+            weights[name] = (dense + zeros[..., None]).reshape(codes.shape).to(dtype)
             continue
         if type_name == "BF16":
-            values = torch.from_numpy(np.asarray(t.data).view(np.int16).copy()).view(torch.bfloat16)
+            values = torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(
+                torch.bfloat16
+            )
         elif type_name in ("F32", "F16"):
-            values = torch.from_numpy(np.asarray(t.data).copy())
+            values = torch.from_numpy(np.array(data))  # a copy: the file stays read-only
         else:
             if type_name not in INT8_TYPES + INT4_TYPES and type_name not in warned:
                 warned.add(type_name)
@@ -164,7 +214,7 @@ def read_weights(file: Path, expected: dict, hf_config, dtype: torch.dtype, quan
                 )
             try:
                 values = torch.from_numpy(
-                    gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).copy()
+                    gguf.quants.dequantize(np.ascontiguousarray(data), t.tensor_type).copy()
                 )
             except NotImplementedError as exc:
                 raise ModelLoadError(
@@ -173,7 +223,7 @@ def read_weights(file: Path, expected: dict, hf_config, dtype: torch.dtype, quan
         values = values.reshape(shape)
         if heads:
             values = torch.from_numpy(_llama_unpermute(values.float().numpy(), heads))
-        weights[name] = values.to(dtype)
+        weights[name] = _finish_cut(values, later).to(dtype)
     if quantization == "auto":
         linear_types = {tensors[name_map.get_name(n, try_suffixes=(".weight",))].tensor_type.name
                         for n in expected if n.endswith("proj.weight")}  # fmt: skip
@@ -213,9 +263,9 @@ def auto_dtype(file: Path) -> str:
 def load_gguf_model(file: Path, *, device, dtype: str, quantization: str, shard=None):
     """`models.load_model` for a GGUF file: same checks, same LoadedModel (path = the sidecar).
 
-    shard: a tensor-parallel plan (models.loader.load_model): the file's tensors are read whole
-    (GGUF blocks decode per tensor), then cut to the rank's part, Q4 codes/scales/zeros included
-    (`shard.shard_int4_sources`), before anything is packed."""
+    shard: a tensor-parallel plan (models.loader.load_model): only this rank's rows, or whole
+    32-value blocks of columns, of each tensor are decoded and re-packed (`read_weights`), Q4
+    codes/scales/zeros included; the rank-0-only biases are zeroed on the others."""
     from models import loader
     from models.layers import fuse_projections
     from models.quantize import quantize_linears, return_freed_memory
@@ -234,14 +284,17 @@ def load_gguf_model(file: Path, *, device, dtype: str, quantization: str, shard=
     with torch.device("meta"):
         model = family.Model(args)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    weights, sources, mode, head_mode = read_weights(
-        file, expected, hf_config, target_dtype, quantization
-    )
+    slices = None
     if shard is not None:
         shard.prepare(model)
+        slices = {name: cut.spec for name, cut in shard.slices.items() if hasattr(cut, "spec")}
+    weights, sources, mode, head_mode = read_weights(
+        file, expected, hf_config, target_dtype, quantization, slices
+    )
+    if shard is not None:
+        shard.presliced.update(slices)
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         weights = {name: shard.shard_tensor(name, t) for name, t in weights.items()}
-        sources = shard.shard_int4_sources(sources)
     loader.check_weights(expected, weights)
     state = {k: v.to(torch_device) for k, v in weights.items()}
     model.load_state_dict(state, strict=True, assign=True)

@@ -78,14 +78,32 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    _point_at(linears, weight, bias)
+    return weight, bias
+
+
+def allocate_fused(
+    linears, device: torch.device, dtype: torch.dtype, bias_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused matrix (and bias) of meta `linears`, allocated empty on `device`, each linear's
+    parameters re-pointed at its slice as `fuse_linears` leaves them: the loader reads each
+    checkpoint tensor straight into its slice, so fusing never holds the parts twice."""
+    rows = sum(lin.out_features for lin in linears)
+    weight = torch.empty(rows, linears[0].in_features, dtype=dtype, device=device)
+    has_bias = linears[0].bias is not None
+    bias = torch.empty(rows, dtype=bias_dtype or dtype, device=device) if has_bias else None
+    _point_at(linears, weight, bias)
+    return weight, bias
+
+
+def _point_at(linears, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     start = 0
     for lin in linears:
         size = lin.weight.shape[0]
         lin.weight = nn.Parameter(weight[start : start + size], requires_grad=False)
-        if has_bias:
+        if bias is not None:
             lin.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
         start += size
-    return weight, bias
 
 
 class Attention(nn.Module):
@@ -126,9 +144,13 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
 
+    FUSED = ("qkv_weight", "qkv_bias", ("q_proj", "k_proj", "v_proj"))  # models/materialize.py
+
     def fuse(self) -> None:
-        """One q/k/v matmul per layer instead of three (called by the loader after loading)."""
-        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        """One q/k/v matmul per layer instead of three (called by the loader after loading; a
+        no-op when the loader read q/k/v into one buffer already)."""
+        if self.qkv_weight is None:
+            self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RopeAt, cache
@@ -193,9 +215,13 @@ class GatedMLP(nn.Module):
         self.register_buffer("gate_up_weight", None, persistent=False)
         self.register_buffer("gate_up_bias", None, persistent=False)
 
+    FUSED = ("gate_up_weight", "gate_up_bias", ("gate_proj", "up_proj"))  # models/materialize.py
+
     def fuse(self) -> None:
-        """One gate/up matmul instead of two (called by the loader after loading)."""
-        self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
+        """One gate/up matmul instead of two (called by the loader after loading; a no-op when
+        the loader read gate/up into one buffer already)."""
+        if self.gate_up_weight is None:
+            self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
@@ -242,7 +268,14 @@ def pack_linear_weights(model: nn.Module) -> None:
             meta = torch.empty(lin.weight.shape, dtype=lin.weight.dtype, device="meta")
             lin.weight = nn.Parameter(meta, requires_grad=False)
 
+    # each dense matrix is freed as its packed copy replaces it; handing the freed memory back to
+    # the OS after every module (glibc keeps it mapped) keeps the peak at the weights plus one
+    # matrix instead of growing with every packed layer
+    from models.quantize import return_freed_memory
+
     for module in list(model.modules()):
+        if isinstance(module, (Attention, GatedMLP)):
+            return_freed_memory()
         if isinstance(module, Attention):
             if module.qkv_weight is None:
                 module.fuse()
@@ -259,6 +292,7 @@ def pack_linear_weights(model: nn.Module) -> None:
         model.lm_head = PackedHead(ops.pack_weight(model.model.embed_tokens.weight))
     elif isinstance(getattr(model, "lm_head", None), nn.Linear):
         pack_param(model.lm_head)
+    return_freed_memory()
 
 
 class DecoderLayer(nn.Module):

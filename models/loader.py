@@ -3,10 +3,11 @@
 Order matters: every check that can fail (path, config.json, model_type, required fields,
 checkpoint files, tensor names, shapes and dtypes) runs before a single weight is copied, so a broken
 folder is reported in one line before the server starts. The model is built on the `meta`
-device (no memory, no init), then filled with `load_state_dict(..., assign=True)` from
-memory-mapped safetensors: on CPU in the checkpoint dtype the parameters *are* the mapped file
-pages, and nothing is ever unpickled. Each tensor is checked finite after its cast
-(models/weight_checks.py), so a NaN checkpoint never reaches the server.
+device (no memory, no init); the checks run on memory-mapped safetensors (no page touched), then
+models/materialize.py reads each tensor again with pread straight into its parameter (the fused
+q/k/v and gate/up buffers included), so a load peaks near the weights it keeps, and nothing is
+ever unpickled. Each tensor is checked finite after its cast (models/weight_checks.py), so a NaN
+checkpoint never reaches the server.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from bridge import resolve_device
 from models import safetensors_io, weight_checks
 from models.errors import ModelLoadError
 from models.layers import fuse_projections
+from models.materialize import materialize
 from models.quantize import QUANTIZATIONS, quantize_linears
 from models.registry import get_family
 
@@ -113,7 +114,7 @@ def load_model(
     files = safetensors_io.checkpoint_files(path) if load_format == "safetensors" else []
     target_dtype = resolve_dtype(dtype, raw, files)
     torch_device = resolve_device(device)
-    fp8_format = _fp8_format(raw, path, load_format, shard)
+    fp8_format = _fp8_format(raw, path, load_format)
 
     with torch.device("meta"):
         model = family.Model(args)
@@ -122,36 +123,25 @@ def load_model(
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected_dtypes = {name: t.dtype for name, t in model.state_dict().items()}
     fp8_scales = {}  # fp8 weight name -> its scale tensor (models/fp8.py), when kept as fp8
+    origins = {}  # checkpoint name -> where its bytes are (read again by materialize)
     if load_format == "dummy":
         norm_value = getattr(family, "DUMMY_NORM_WEIGHT", 1.0)  # Gemma stores norms as 1 + w
         weights = dummy_weights(expected, target_dtype, torch_device, norm_value=norm_value)
     else:
-        weights = _checkpoint_weights(family, args, files, path, shard)
+        weights = _checkpoint_weights(family, args, files, path, shard, origins)
         if shard is not None:
-            weights = {name: shard.shard_tensor(name, t) for name, t in weights.items()}
+            weights = _shard_weights(shard, weights, fp8_format, path)
         fp8_scales = _fp8_scales(weights, fp8_format, quantization, path)
         check_weights(expected, weights)
         weight_checks.check_dtypes(expected_dtypes, weights)
-    state = {}
-    for name, tensor in tqdm(
-        weights.items(), desc=f"Loading {path.name}", unit="tensor", disable=None
-    ):
-        if name in fp8_scales:  # kept as e4m3 (checked in models/fp8.py), scaled after fusing
-            state[name] = tensor.to(torch_device)
-            continue
-        is_float = tensor.is_floating_point()
-        state[name] = tensor.to(
-            device=torch_device, dtype=target_dtype if is_float else tensor.dtype
-        )
-        if load_format != "dummy":  # after the cast: an fp32 value past fp16's range is inf now
-            weight_checks.check_finite(name, state[name])
-    model.load_state_dict(state, strict=True, assign=True)
-    # the parameters are the only holders now: fusing below then frees each q/k/v and gate/up
-    # original as it is replaced, so the load peaks near 1x the weights, not 2x
-    del weights, state
+    # one tensor at a time, straight into the fused q/k/v and gate/up buffers: the load peaks
+    # near the weights kept plus one tensor (models/materialize.py)
+    materialize(model, weights, origins, torch_device, target_dtype, keep_dtype=set(fp8_scales),
+                check_finite=load_format != "dummy", desc=f"Loading {path.name}")  # fmt: skip
+    del weights, origins
     model.to(torch_device)  # the non-persistent rope tables were built on CPU
     model.eval().requires_grad_(False)
-    fuse_projections(model)  # q/k/v and gate/up as one matmul each; the state dict is unchanged
+    fuse_projections(model)  # what materialize could not fuse; the state dict is unchanged
     if fp8_scales:
         _apply_fp8(model, fp8_scales, fp8_format, torch_device, target_dtype, path)
     elif quantization not in ("none", "auto"):  # auto: the checkpoint's own (GGUF); else none
@@ -215,7 +205,7 @@ def _quantize(model, mode: str, device: torch.device, dtype: torch.dtype, shard=
     quantize_linears(model, mode, shard=shard)
 
 
-def _fp8_format(raw: dict, path: Path, load_format: str, shard):
+def _fp8_format(raw: dict, path: Path, load_format: str):
     """The checkpoint's fp8 format (models/fp8.py), None for other checkpoints and dummy weights."""
     from models import fp8
 
@@ -223,9 +213,18 @@ def _fp8_format(raw: dict, path: Path, load_format: str, shard):
         fmt = fp8.checkpoint_format(raw)
     except ValueError as exc:
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
-    if fmt is not None and shard is not None and load_format != "dummy":
-        raise ModelLoadError(f"{path}: fp8 checkpoints do not support tensor parallelism yet")
     return None if load_format == "dummy" else fmt
+
+
+def _shard_weights(shard, weights: dict, fp8_format, path: Path) -> dict:
+    """This rank's part of every tensor, an fp8 checkpoint's scales cut with their weights."""
+    weights = {name: shard.shard_tensor(name, t) for name, t in weights.items()}
+    if fp8_format is None:
+        return weights
+    try:
+        return shard.shard_fp8_scales(weights, fp8_format.block)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
 
 
 def _fp8_scales(weights: dict, fmt, quantization: str, path: Path) -> dict:
@@ -320,12 +319,12 @@ def resolve_dtype(dtype: str, raw: dict[str, Any], files: list[Path]) -> torch.d
 
 
 def _checkpoint_weights(
-    family, args, files: list[Path], path: Path, shard=None
+    family, args, files: list[Path], path: Path, shard=None, origins=None
 ) -> dict[str, torch.Tensor]:
     if shard is None:
-        weights = safetensors_io.read_tensors(files)
+        weights = safetensors_io.read_tensors(files, origins)
     else:  # each rank reads its slices only (torch_runner/distributed/slice_read.py)
-        weights = shard.read_checkpoint(files)
+        weights = shard.read_checkpoint(files, origins)
         weights, args = shard.shard_raw_weights(
             weights, args
         )  # per-expert tensors, before stacking

@@ -13,8 +13,9 @@ two, plus the vocab-parallel embedding's), and the logits gather is not in it.
 `--rss`: peak resident memory per rank instead. It writes a random bf16 checkpoint of a ~317M
 parameter Llama geometry (RSS_GEOMETRY, 634 MB), then loads it at tp 1 and at tp 2 (two ranks
 started with RANK/WORLD_SIZE as torchrun does) and runs one short request; each rank prints its
-own `resource.getrusage` max RSS at exit, with its max RSS before the engine started (Python,
-torch) as the baseline.
+own `resource.getrusage` max RSS (mapped file pages included) and its peak anonymous RSS
+(RssAnon sampled every 2 ms), both as growth over the process before the engine started
+(Python, torch, the tokenizer), and what it holds while serving (RSS, anonymous, file pages).
 
     .venv/bin/python tools/bench_tp.py --rss
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -68,6 +70,35 @@ def write_random_checkpoint(directory: Path) -> int:
     return sum(t.nbytes for t in tensors.values())
 
 
+def proc_status_mb() -> dict[str, float]:
+    """This process's VmRSS / RssAnon / RssFile now, in MiB (Linux /proc/self/status)."""
+    out = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) / 1024  # kB
+    return out
+
+
+class AnonPeak:
+    """The peak of RssAnon (anonymous resident memory: what the process itself holds, without
+    mapped file pages), sampled every `period` seconds on a daemon thread; the kernel keeps only
+    the peak of the total (VmHWM / ru_maxrss)."""
+
+    def __init__(self, period: float = 0.002):
+        import threading
+
+        self.peak = proc_status_mb()["RssAnon"]
+        self.period = period
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, proc_status_mb()["RssAnon"])
+            time.sleep(self.period)
+
+
 def rss_child(directory: str) -> None:
     """One rank of the --rss run (RANK set: a torchrun-style rank; else tp 1)."""
     import atexit
@@ -81,10 +112,28 @@ def rss_child(directory: str) -> None:
 
     AutoTokenizer.from_pretrained(default_model_path())  # what any engine loads besides weights
     AutoConfig.from_pretrained(directory)
-    base = max_rss_mb()
+    base, base_anon = max_rss_mb(), proc_status_mb()["RssAnon"]
+    anon = AnonPeak()
     rank = int(os.environ.get("RANK", 0))
-    atexit.register(lambda: print(json.dumps({"rank": rank, "base_mb": base,
-                                              "peak_mb": max_rss_mb()}), flush=True))  # fmt: skip
+    end = {}
+
+    def report() -> None:
+        print(json.dumps({"rank": rank, "base_mb": base, "peak_mb": max_rss_mb(),
+                          "base_anon_mb": base_anon, "peak_anon_mb": anon.peak,
+                          "end_mb": end.get("VmRSS"), "end_anon_mb": end.get("RssAnon"),
+                          "end_file_mb": end.get("RssFile")}), flush=True)  # fmt: skip
+
+    atexit.register(report)
+    from torch_runner.runner.model_runner import ModelRunner
+
+    forward = ModelRunner.forward_logits
+
+    def serving(self, *args, **kwargs):  # every rank runs each step: what it holds while serving
+        out = forward(self, *args, **kwargs)
+        end.update(proc_status_mb())
+        return out
+
+    ModelRunner.forward_logits = serving
     size = int(os.environ.get("WORLD_SIZE", 1))
     engine = Engine(directory, device="cpu", dtype="auto", max_total_tokens=256,
                     tokenizer=str(default_model_path()), tensor_parallel_size=size)  # fmt: skip
@@ -93,13 +142,12 @@ def rss_child(directory: str) -> None:
     sys.exit(0)
 
 
-def rss_run(threads: int, repeats: int) -> None:
+def _rss_rounds(directory: Path, threads: int, repeats: int):
     import subprocess
     import sys
 
     from torch_runner.distributed.group import free_port
 
-    directory = Path(tempfile.mkdtemp(prefix="bench_tp_rss_"))
     # written by a child: a process starts with its parent's max RSS (Linux keeps it over exec)
     written = subprocess.run([sys.executable, __file__, "--rss-write", str(directory)],
                              capture_output=True, text=True, check=True)  # fmt: skip
@@ -125,13 +173,25 @@ def rss_run(threads: int, repeats: int) -> None:
             out, _ = proc.communicate(timeout=600)
             report = json.loads(out.strip().splitlines()[-1])
             runs.setdefault((size, report["rank"]), []).append(report)
+    return nbytes, runs
+
+
+def rss_run(threads: int, repeats: int) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="bench_tp_rss_"))
+    try:
+        nbytes, runs = _rss_rounds(directory, threads, repeats)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)  # the 634 MB checkpoint
     weights_mb = nbytes / 2**20
     for (size, rank), reports in sorted(runs.items()):
-        peak = statistics.median(r["peak_mb"] for r in reports)
-        base = statistics.median(r["base_mb"] for r in reports)
-        print(f"tp {size} rank {rank}: max RSS {peak:.0f} MiB (before loading {base:.0f} MiB; "
-              f"+{peak - base:.0f} MiB = {(peak - base) / weights_mb:.2f} x the weights), "
-              f"median of {len(reports)}")  # fmt: skip
+        med = {k: statistics.median(r[k] for r in reports) for k in reports[0] if k != "rank"}
+        grow, grow_anon = med["peak_mb"] - med["base_mb"], med["peak_anon_mb"] - med["base_anon_mb"]
+        print(f"tp {size} rank {rank}: peak RSS +{grow:.0f} MiB ({grow / weights_mb:.2f} x the "
+              f"weights), peak anonymous +{grow_anon:.0f} MiB ({grow_anon / weights_mb:.2f} x); "
+              f"serving: RSS +{med['end_mb'] - med['base_mb']:.0f} MiB, anonymous "
+              f"+{med['end_anon_mb'] - med['base_anon_mb']:.0f}, file pages {med['end_file_mb']:.0f}"
+              f" MiB (before loading: RSS {med['base_mb']:.0f}, anonymous "
+              f"{med['base_anon_mb']:.0f} MiB), median of {len(reports)}")  # fmt: skip
 
 
 class StepCounter:

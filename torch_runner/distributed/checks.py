@@ -1,5 +1,6 @@
 """What a tensor-parallel launch refuses before any rank starts: a family that does not shard,
-a geometry that does not split N ways, an int4 shard that would cut a quantization group."""
+a geometry that does not split N ways, an int4 shard that would cut a quantization group, an
+fp8 shard that would cut a scale block."""
 
 from __future__ import annotations
 
@@ -98,3 +99,38 @@ def check_moe_shards(raw: dict, size: int, expert_parallel: bool, moe_weights: s
             "MXFP4 block; use enable_expert_parallel (whole experts per rank) or "
             "moe_weights='dequantized'"
         )
+
+
+def check_fp8_shards(raw: dict, size: int) -> None:
+    """A block-scaled fp8 checkpoint splits only at its scale blocks: every rank's rows of q/k/v
+    and gate/up, and columns of o_proj and down_proj, must be whole blocks (per-tensor and
+    per-channel scales split anywhere)."""
+    from models.fp8 import checkpoint_format
+
+    try:
+        fmt = checkpoint_format(raw)
+    except ValueError:
+        return  # the loader names the bad quantization_config field
+    if fmt is None or fmt.block is None:
+        return
+    (block_rows, block_cols), heads = fmt.block, raw["num_attention_heads"]
+    kv_heads = raw.get("num_key_value_heads", heads)
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    inter = raw.get("intermediate_size") or 0
+    local = {  # name: (this rank's length, the block it must be a multiple of)
+        "q_proj rows": (heads // size * head_dim, block_rows),
+        "k_proj/v_proj rows": (
+            (kv_heads // size if kv_heads >= size else 1) * head_dim,
+            block_rows,
+        ),
+        "o_proj columns": (heads // size * head_dim, block_cols),
+        "gate_proj/up_proj rows": (inter // size, block_rows),
+        "down_proj columns": (inter // size, block_cols),
+    }
+    for name, (length, block) in local.items():
+        if length % block:
+            raise ValueError(
+                f"tensor_parallel_size={size} with a block-scaled fp8 checkpoint (blocks "
+                f"{block_rows}x{block_cols}): each rank's {name} ({length}) must be a multiple of "
+                f"{block}; use a tensor_parallel_size whose shards keep whole scale blocks"
+            )

@@ -48,7 +48,7 @@ class TPGroup:
 
     def __init__(self, rank: int, size: int, device: torch.device, init_method: str, timeout_s):
         self.rank, self.size, self.device = rank, size, device
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = self.backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = self.timeout = timedelta(seconds=timeout_s)
         try:
             dist.init_process_group(backend, init_method=init_method, rank=rank,
@@ -112,7 +112,8 @@ class TPGroup:
                 work.wait(timeout=self.timeout)
         except Exception as exc:
             raise RankFailure(
-                f"a tensor parallel worker did not take the step within {self.timeout}: {exc}",
+                f"a tensor parallel worker did not take the step (it exited, or did not answer "
+                f"within {self.timeout}): {exc}",
                 self,
             ) from exc
 

@@ -17,7 +17,12 @@ import torch
 
 from bridge import resolve_device
 from models.loader import read_config
-from torch_runner.distributed.checks import check_int4_shards, check_moe_shards, check_shardable
+from torch_runner.distributed.checks import (
+    check_fp8_shards,
+    check_int4_shards,
+    check_moe_shards,
+    check_shardable,
+)
 from torch_runner.distributed.group import STOP, RankFailure, TPGroup, free_port, torchrun_env
 from torch_runner.distributed.shard import ShardPlan
 
@@ -54,6 +59,7 @@ def check_launch(config, path: str) -> None:
     check_moe_shards(raw, size, config.enable_expert_parallel, config.moe_weights)
     if config.quantization == "int4":
         check_int4_shards(raw, size)
+    check_fp8_shards(raw, size)
     if resolve_device(config.device).type == "cuda" and torchrun_env() is None:
         count = torch.cuda.device_count()
         if size > count:

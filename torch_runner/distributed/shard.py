@@ -9,7 +9,8 @@ heads than ranks each rank keeps the one KV head its query heads read (replicate
 experts: experts.py. The plan then maps every checkpoint tensor name to this rank's slice
 (`shard_tensor`); slice_read.py reads a one-dimension slice alone from the file. Row-parallel
 biases live on rank 0 only. Packed weights stay packed per rank: int8 row-parallel scales are the
-whole row's (`int8_amax`), a GGUF's Q4 blocks are cut like their weight (`shard_int4_sources`).
+whole row's (`int8_amax`); a GGUF's rows and Q4 blocks are cut before decoding
+(models/gguf_loader.py); an fp8 checkpoint's scales are cut with their weights (`shard_fp8_scales`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.fp8 import SCALE_SUFFIXES as FP8_SCALE_SUFFIXES
 from models.layers import Attention, CausalLM, GatedMLP
 from torch_runner.distributed.experts import MOE_MODULES, narrow, rename_raw, shard_experts
 from torch_runner.distributed.slice_read import read_shard
@@ -168,29 +170,31 @@ class ShardPlan:
         cut = None if name in self.presliced else self.slices.get(name)
         return tensor if cut is None else cut(tensor).contiguous()
 
-    def shard_int4_sources(self, sources: dict) -> dict:
-        """A GGUF's Q4 (codes [N, K], scales, zeros [N, K/32]) cut like their weight: rows
-        alike; columns at group boundaries (checks.check_int4_shards), scales per group."""
-        out = {}
-        for name, (codes, scales, zeros) in sources.items():
-            spec = getattr(self.slices.get(name), "spec", None)
-            if spec is None:
-                out[name] = (codes, scales, zeros)
-            elif spec[0] == 0:
-                out[name] = tuple(narrow(*spec)(a).contiguous() for a in (codes, scales, zeros))
-            else:
-                _, start, length, _ = spec
-                group = codes.shape[1] // scales.shape[1]
-                if start % group or length % group:
-                    raise ValueError(
-                        f"tensor_parallel_size={self.size}: the {name} shard (columns {start}.."
-                        f"{start + length}) would split the GGUF's {group}-value Q4 blocks"
-                    )
-                per_group = narrow(1, start // group, length // group)
-                out[name] = (narrow(*spec)(codes).contiguous(),
-                             per_group(scales).contiguous(), per_group(zeros).contiguous())  # fmt: skip
+    def shard_fp8_scales(self, weights: dict[str, torch.Tensor], block) -> dict:
+        """An fp8 checkpoint's scales (models/fp8.py) cut like their weights: a per-tensor scale
+        stays whole, a per-channel one follows its weight's rows (whole when the columns are
+        split), a block one is cut at block boundaries (checks.check_fp8_shards)."""
+        out = dict(weights)
+        for name, scale in weights.items():
+            suffix = next((x for x in FP8_SCALE_SUFFIXES if name.endswith(x)), None)
+            spec = suffix and getattr(self.slices.get(name.removesuffix(suffix) + ".weight"),
+                                      "spec", None)  # fmt: skip
+            if spec is None or (block is None and scale.numel() == 1):
+                continue
+            dim, start, length, pad = spec
+            if block is None:  # per channel: [N] or [N, 1], one scale per output row
+                out[name] = scale if dim else narrow(0, start, length, pad)(scale).contiguous()
+                continue
+            size = block[dim]
+            first, count = start // size, -(-length // size)
+            if start % size or pad or (length % size and first + count != scale.shape[dim]):
+                raise ValueError(
+                    f"tensor_parallel_size={self.size}: the {name} shard ({start}..{start + length}"
+                    f" along dim {dim}) would split the fp8 checkpoint's {size}-wide scale blocks"
+                )
+            out[name] = narrow(dim, first, count)(scale).contiguous()
         return out
 
-    def read_checkpoint(self, files) -> dict[str, torch.Tensor]:
+    def read_checkpoint(self, files, origins=None) -> dict[str, torch.Tensor]:
         """The checkpoint with each one-dimension slice read as this rank's part only."""
-        return read_shard(self, files)
+        return read_shard(self, files, origins)

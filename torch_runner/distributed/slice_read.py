@@ -1,9 +1,10 @@
-"""Each rank reads only its shard: a tensor the plan slices along one dimension is read with
-`safe_open(...).get_slice(name)[...]` (only that part is copied out of the file), from a
-reader opened for that tensor alone, so the file pages it touched are unmapped again at once
-and a rank's resident memory is its shard, not the checkpoint. Tensors the plan keeps whole, or
-that the family's sanitize rewrites (per-expert stacks, MXFP4 dequantization), are memory-mapped
-whole as at one rank."""
+"""Each rank reads only its shard: a tensor the plan slices along one dimension is taken with
+`safe_open(...).get_slice(name)[...]`, a view of the memory-mapped file that nothing touches
+while the loader checks names and shapes. Its `FileTensor` names the slice, so the loader then
+reads just those bytes with pread into the rank's memory (models/materialize.py): a rank's
+resident memory is its shard, not the checkpoint, and no file page stays mapped. Tensors the
+plan keeps whole, or that the family's sanitize rewrites (per-expert stacks, MXFP4
+dequantization), are read whole as at one rank."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ from safetensors import SafetensorError
 
 from models import safetensors_io
 from models.errors import ModelLoadError
+from models.safetensors_io import FileTensor, note_origin, pad_along
 
 
-def read_shard(plan, files: list[Path]) -> dict[str, torch.Tensor]:
+def read_shard(plan, files: list[Path], origins=None) -> dict[str, torch.Tensor]:
     """Checkpoint name -> tensor: this rank's part where the plan has a one-dimension slice
-    (recorded in `plan.presliced`, so `shard_tensor` does not cut it again), else the whole."""
+    (recorded in `plan.presliced`, so `shard_tensor` does not cut it again), else the whole;
+    where each came from goes into `origins` (safetensors_io.note_origin)."""
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        whole = safetensors_io._open(file)
-        with whole as reader:
+        with safetensors_io._open(file) as reader:
             for name in reader.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 if name in tensors:
                     raise ModelLoadError(f"tensor {name!r} appears twice (again in {file.name})")
@@ -30,24 +32,21 @@ def read_shard(plan, files: list[Path]) -> dict[str, torch.Tensor]:
                 try:
                     if spec is None or name in plan.rank0_only:
                         tensors[name] = reader.get_tensor(name)
+                        note_origin(origins, tensors[name], FileTensor(file, name))
                         continue
-                    tensors[name] = _read_slice(file, name, *spec)
+                    where = FileTensor(file, name, *spec)
+                    tensors[name] = _mapped_slice(reader, where)
                 except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
                     raise ModelLoadError(f"{file}: cannot read tensor {name!r} ({exc})") from exc
+                note_origin(origins, tensors[name], where)
                 plan.presliced.add(name)
     return tensors
 
 
-def _read_slice(file: Path, name: str, dim: int, start: int, length: int, pad: int):
-    with safetensors_io._open(file) as reader:  # its own mapping, released on exit
-        part = reader.get_slice(name)
-        index = tuple(
-            slice(start, start + length) if d == dim else slice(None)
-            for d in range(len(part.get_shape()))
-        )
-        tensor = part[index]
-    if not pad:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = pad
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+def _mapped_slice(reader, where: FileTensor) -> torch.Tensor:
+    part = reader.get_slice(where.name)
+    index = tuple(
+        slice(where.start, where.start + where.length) if d == where.dim else slice(None)
+        for d in range(len(part.get_shape()))
+    )
+    return pad_along(part[index], where.dim, where.pad)

@@ -147,8 +147,12 @@ def engine_error(exc: Exception) -> APIError:
 
     if isinstance(exc, APIError):
         return exc
+    from torch_runner.distributed.group import RankFailure
+
     if isinstance(exc, EngineShutdownError):
         return EngineStoppedError(str(exc), code="server_shutdown")
+    if isinstance(exc, RankFailure):  # the server exits next (serve/server.py): a 503, not a 500
+        return EngineStoppedError(f"the engine stopped: {exc}", code="engine_failed")
     if isinstance(exc, EngineOverCapacityError):
         return OverCapacityError(
             str(exc) or "server is over capacity; retry later", code="over_capacity"
