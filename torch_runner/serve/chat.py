@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from torch_runner.serve.call_repeats import RepeatGuard
 from torch_runner.serve.chat_plan import apply_tool_plan, render_prompt
 from torch_runner.serve.chat_stream import ChoiceRenderer
 from torch_runner.serve.errors import InvalidRequestError
@@ -80,6 +81,9 @@ async def create_chat_completion(
         _param_names(body),
         arrived_at,
     )
+    if plan.bounds_repeats(state.chat_format.is_harmony):
+        for choice in choices:
+            choice.guard = RepeatGuard()
     model = body.model or state.model_name
 
     if body.stream:
