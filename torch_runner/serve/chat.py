@@ -3,6 +3,8 @@
 Each choice's output goes through one `OutputParser` (serve/output_parsers.py) into content,
 reasoning_content and tool_calls: `parse` for the JSON answer, `feed`/`finish` for the stream, so
 the two agree. A message with calls that ended naturally has finish_reason "tool_calls".
+`required` with parallel calls ends at a call repeating an earlier one (serve/call_repeats.py):
+the choice's text stops before it, for the stream and the JSON answer alike.
 gpt-oss (`state.chat_format.is_harmony`) is rendered by openai-harmony instead of a template,
 stops at <|return|> / <|call|>, and its forced calls are harmony messages (serve/chat_format.py).
 """
