@@ -7,6 +7,10 @@ as in a real step, plus the lm_head) run in every layout side by side, alternati
 every repeat; the table has medians and the dense / packed ratio.
 
     .venv/bin/python tools/bench_linear_packing.py --rows 1,2,4,8,16,32,64,128,512 --threads 2
+
+`--dtype bfloat16` times bf16 weights; `--quantized` adds the weight-only int8 / int4 weights
+(ops/quant/int_linear.py, with activations of --dtype) of the same matrices, so every kernel a
+decode step can use streams the same model-sized set of weights in one run.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--input-major", action="store_true", help="also time dense weights stored [in, out]"
     )
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--quantized", action="store_true", help="also time int8 / int4 weights of the matrices"
+    )
     return parser.parse_args(argv)
 
 
@@ -49,22 +57,31 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not ops.can_pack(torch.float32):
-        raise SystemExit("this torch build / CPU cannot pack fp32 weights (ops.can_pack)")
+    dtype = getattr(torch, args.dtype)
+    if not ops.can_pack(dtype):
+        raise SystemExit(f"this torch build / CPU cannot pack {args.dtype} weights (ops.can_pack)")
     gen = torch.Generator().manual_seed(0)
     dense = [torch.randn(s, generator=gen) for s in SHAPES.values() for _ in range(args.layers)]
     dense += [torch.randn(args.vocab, 576, generator=gen)] if args.vocab else []
+    dense = [w.to(dtype) for w in dense]
     layouts = {"dense": dense, "packed": [ops.pack_weight(w) for w in dense]}
     if args.input_major:
         layouts["input-major"] = [w.t().contiguous().t() for w in dense]
+    if args.quantized:
+        from ops.quant.int_linear import quantize_weight
+
+        for mode in ("int8", "int4"):
+            layouts[mode] = [quantize_weight(w, mode) for w in dense]
     total = sum(w.numel() * w.element_size() for w in dense)
     names = list(layouts)
-    print(f"{len(dense)} matrices, {total / 2**20:.0f} MiB fp32, {torch.get_num_threads()} threads")
+    print(
+        f"{len(dense)} matrices, {total / 2**20:.0f} MiB {args.dtype}, {torch.get_num_threads()} threads"
+    )
     print("| rows | " + " | ".join(f"{n} ms" for n in names) + " | dense / packed |")
     print("|---:|" + "---:|" * (len(names) + 1))
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
-            inputs = {k: torch.randn(m, k) for k in (576, 1536)}
+            inputs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
             times: dict[str, list[float]] = {n: [] for n in names}
             for n in names:
                 one_pass(layouts[n], inputs)  # warm-up
