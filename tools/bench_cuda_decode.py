@@ -289,7 +289,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--gen-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup-gen", type=int, default=16, help="tokens of the warm-up run")
+    parser.add_argument(
+        "--warmup-gen",
+        type=int,
+        default=None,
+        help="tokens of the warm-up run (default --gen-len, so every key-bucket "
+        "graph is captured before timing)",
+    )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--sampling", default="greedy", help="comma list of " + ",".join(SAMPLING))
     parser.add_argument("--async-scheduling", choices=("auto", "on", "off", "both"), default="auto",
@@ -344,7 +350,7 @@ def main() -> None:
         steady = {mode: [] for mode in modes}
         for mode in modes:  # graph capture, allocator, autotune
             engine.is_overlapped = mode
-            decode_run(engine, prompts, args.warmup_gen, sampling)
+            decode_run(engine, prompts, args.warmup_gen or args.gen_len, sampling)
         for _ in range(args.repeats):
             for mode in modes:
                 engine.is_overlapped = mode
