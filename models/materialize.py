@@ -7,6 +7,9 @@ read from the file is read again with pread into its own memory (safetensors_io.
 no mapped page is ever touched; (2) the q/k/v and gate/up concatenation: the fused buffers are
 allocated first (layers.allocate_fused) and each part is copied straight into its slice; (3) the
 dict of cast tensors next to the originals: each source is dropped as soon as it is copied.
+Tensors a family's sanitize builds from several (Qwen3-MoE's per-expert stacks, dequantized
+MXFP4 experts) arrive as meta tensors whose origin reads the parts into one new buffer
+(safetensors_io.StackedRead, mxfp4.DequantizedRead), so (1) holds for them too.
 """
 
 from __future__ import annotations
