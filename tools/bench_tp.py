@@ -17,8 +17,12 @@ own `resource.getrusage` max RSS (mapped file pages included) and its peak anony
 (RssAnon sampled every 2 ms), both as growth over the process before the engine started
 (Python, torch, the tokenizer), and what it holds while serving (RSS, anonymous, file pages).
 
-    .venv/bin/python tools/bench_tp.py --rss
-    .venv/bin/python tools/bench_tp.py --rss --rss-geometry qwen3_moe [--expert-parallel]
+    PYTHONPATH=. .venv/bin/python tools/bench_tp.py --rss
+    PYTHONPATH=. .venv/bin/python tools/bench_tp.py --rss --rss-geometry qwen3_moe
+    PYTHONPATH=. .venv/bin/python tools/bench_tp.py --rss --rss-geometry qwen3_moe --expert-parallel
+
+(PYTHONPATH=.: a script's own folder, not the cwd, leads sys.path, so without it this process
+and its ranks import the installed checkout instead of this one.)
 
 `--rss-geometry qwen3_moe` writes a random Qwen3-MoE (MOE_RSS_GEOMETRY, 584 MB) whose experts are
 one tensor per expert and projection, as on the Hub (stacked into [E, ...] at load).
