@@ -104,3 +104,36 @@ def test_round_trip_answers_from_the_tool_result(client):
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert choice.message.content or choice.message.tool_calls
     assert answer.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_required_with_parallel_calls_ends_at_a_repeated_call(client):
+    """`required` with parallel calls allowed (OpenAI's default) and no max_tokens: the 135M model
+    would alternate Paris / Rome calls until the context is full; a call repeating an earlier
+    one ends the list (serve/call_repeats.py). The answer comes back at once, with only
+    distinct schema-valid calls, finish_reason "tool_calls", and the stream accumulates to it."""
+    args = dict(model="default", messages=MESSAGES, tools=TOOLS, tool_choice="required")
+    fast = client.with_options(timeout=120)
+    reply = fast.chat.completions.create(**args, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    _valid(choice.message)
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    keys = [(name, json.dumps(arguments, sort_keys=True)) for name, arguments in calls]
+    assert len(set(keys)) == len(keys), calls
+    # generation stopped at the repeat: the calls, at most one more (dropped), no runaway list
+    per_call = max(len(c.function.arguments) for c in choice.message.tool_calls) + 60
+    assert reply.usage.completion_tokens < (len(calls) + 1) * per_call, reply.usage
+    with fast.chat.completions.stream(**args, temperature=0) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    got = [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls]
+    want = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert got == want
+    sampled = fast.chat.completions.create(**args, temperature=1.0, seed=11, n=3)
+    for other in sampled.choices:
+        _valid(other.message)
+        other_keys = [
+            (c.function.name, json.dumps(json.loads(c.function.arguments), sort_keys=True))
+            for c in other.message.tool_calls
+        ]
+        assert len(set(other_keys)) == len(other_keys)

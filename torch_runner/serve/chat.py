@@ -3,6 +3,8 @@
 Each choice's output goes through one `OutputParser` (serve/output_parsers.py) into content,
 reasoning_content and tool_calls: `parse` for the JSON answer, `feed`/`finish` for the stream, so
 the two agree. A message with calls that ended naturally has finish_reason "tool_calls".
+`required` with parallel calls ends at a call repeating an earlier one (serve/call_repeats.py):
+the choice's text stops before it, for the stream and the JSON answer alike.
 gpt-oss (`state.chat_format.is_harmony`) is rendered by openai-harmony instead of a template,
 stops at <|return|> / <|call|>, and its forced calls are harmony messages (serve/chat_format.py).
 """
@@ -16,6 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from torch_runner.serve.call_repeats import RepeatGuard
 from torch_runner.serve.chat_plan import apply_tool_plan, render_prompt
 from torch_runner.serve.chat_stream import ChoiceRenderer
 from torch_runner.serve.errors import InvalidRequestError
@@ -80,6 +83,9 @@ async def create_chat_completion(
         _param_names(body),
         arrived_at,
     )
+    if plan.bounds_repeats(state.chat_format.is_harmony):
+        for choice in choices:
+            choice.guard = RepeatGuard()
     model = body.model or state.model_name
 
     if body.stream:

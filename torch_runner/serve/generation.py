@@ -57,6 +57,7 @@ class Choice:
     is_finished: bool = False
     has_output: bool = False
     error: str | None = None  # set with finish_reason "error"
+    guard: Any = None  # a RepeatGuard (serve/call_repeats.py): `required` calls end at a repeat
 
 
 @dataclass
@@ -115,6 +116,11 @@ def apply_output(choice: Choice, output: Any, now: float) -> Increment:
     token_ids = list(output.token_ids)
     delta_ids = token_ids[len(choice.token_ids) :]
     text = output.text or ""
+    finished, is_cut = bool(output.finished), False
+    if choice.guard is not None:  # only the text it releases; a repeated call ends the choice
+        text = choice.guard.visible(text, finished)
+        is_cut = choice.guard.is_cut
+        finished = finished or is_cut
     delta_text = text[len(choice.text) :]
     num_done = len(choice.logprobs)
     delta_entries = normalize_logprobs((output.logprobs or [])[num_done:], token_ids[num_done:])
@@ -123,9 +129,9 @@ def apply_output(choice: Choice, output: Any, now: float) -> Increment:
     choice.text, choice.token_ids = text, token_ids
     choice.logprobs.extend(delta_entries)
     choice.num_cached_tokens = int(getattr(output, "num_cached_tokens", 0) or 0)
-    if output.finished:
+    if finished:
         choice.is_finished = True
-        choice.finish_reason = output.finish_reason or "stop"
+        choice.finish_reason = "stop" if is_cut else (output.finish_reason or "stop")
         choice.tracker.finish_reason = choice.finish_reason
         choice.error = getattr(output, "error", None)
     return Increment(
@@ -134,7 +140,7 @@ def apply_output(choice: Choice, output: Any, now: float) -> Increment:
         delta_ids,
         delta_entries,
         logprob_start=num_done,
-        is_final=output.finished,
+        is_final=finished,
     )
 
 
@@ -171,6 +177,11 @@ async def merge_choices(engine: Any, choices: list[Choice]) -> AsyncIterator[Inc
         try:
             async for output in outputs:
                 await queue.put(apply_output(choice, output, time.perf_counter()))
+                if choice.is_finished and not output.finished:  # ended here: no more tokens
+                    engine.abort(choice.request_id)
+                    if hasattr(outputs, "aclose"):
+                        await outputs.aclose()
+                    break
         except Exception as exc:
             await queue.put(exc)
         finally:

@@ -41,6 +41,11 @@ class ToolPlan:
     def is_forced(self) -> bool:
         return self.choice in ("required", "named")
 
+    def bounds_repeats(self, is_harmony: bool) -> bool:
+        """`required` with parallel calls: a call repeating an earlier one ends the JSON list
+        (serve/call_repeats.py). gpt-oss writes one harmony call per turn (`<|call|>` ends it)."""
+        return self.choice == "required" and self.is_parallel and not is_harmony
+
     def structured_spec(self) -> Any:
         """The grammar forcing `required` / named output (None when the model chooses)."""
         from ops.sampling.params import StructuredOutputSpec
