@@ -62,6 +62,8 @@ def materialize(
         elif view is not None:  # the cast and the device copy in one pass, into the fused buffer
             view.copy_(ref[1].read(scratch=scratch) if is_file else source)
         else:
+            if source.is_meta and not is_file:  # a lazy tensor rewritten after sanitize made it
+                raise ModelLoadError(f"tensor {name!r}: its bytes were never read (a loader bug)")
             source = ref[1].read(scratch=scratch) if is_file else source
             view = source.to(device=device, dtype=targets[name])
         state[name] = view
