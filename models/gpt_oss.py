@@ -22,6 +22,7 @@ import ops
 from models.args import ModelArgs as BaseArgs
 from models.layers import Attention, CausalLM, DecoderLayer
 from models.mxfp4 import dequantize_mxfp4_weights
+from models.safetensors_io import Origins
 from ops.quant.mxfp4 import Mxfp4Experts, check_mxfp4
 
 MXFP4_GROUP = 32
@@ -130,11 +131,16 @@ class Model(CausalLM):
         super().__init__(args, make_layer)
 
 
-def sanitize(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+SANITIZE_TAKES_ORIGINS = True  # models/loader.py passes its file reads
+
+
+def sanitize(
+    weights: dict[str, torch.Tensor], args: ModelArgs, origins: Origins | None = None
+) -> dict[str, torch.Tensor]:
     """Packed: check each MXFP4 `<name>_blocks` / `<name>_scales` pair and keep it as is.
     Dequantized: replace each pair by the dense `<name>` tensor."""
-    if not args.has_packed_experts:
-        return dequantize_mxfp4_weights(weights, torch.bfloat16)
+    if not args.has_packed_experts:  # with origins: dequantized at fill time (models/mxfp4.py)
+        return dequantize_mxfp4_weights(weights, torch.bfloat16, origins)
     for key in [k for k in weights if k.endswith("_blocks")]:
         scale_key = key.removesuffix("_blocks") + "_scales"
         if scale_key not in weights:

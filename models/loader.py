@@ -130,7 +130,7 @@ def load_model(
     else:
         weights = _checkpoint_weights(family, args, files, path, shard, origins)
         if shard is not None:
-            weights = _shard_weights(shard, weights, fp8_format, path)
+            weights = _shard_weights(shard, weights, fp8_format, path, origins)
         fp8_scales = _fp8_scales(weights, fp8_format, quantization, path)
         check_weights(expected, weights)
         weight_checks.check_dtypes(expected_dtypes, weights)
@@ -216,9 +216,15 @@ def _fp8_format(raw: dict, path: Path, load_format: str):
     return None if load_format == "dummy" else fmt
 
 
-def _shard_weights(shard, weights: dict, fp8_format, path: Path) -> dict:
-    """This rank's part of every tensor, an fp8 checkpoint's scales cut with their weights."""
-    weights = {name: shard.shard_tensor(name, t) for name, t in weights.items()}
+def _shard_weights(shard, weights: dict, fp8_format, path: Path, origins: dict) -> dict:
+    """This rank's part of every tensor, an fp8 checkpoint's scales cut with their weights. A
+    tensor sanitize left to be read later (a meta tensor: per-expert stacks, dequantized MXFP4)
+    that still has to be cut is read whole now (the plan could not slice its sources)."""
+    weights = {
+        name: shard.shard_tensor(name, origins[name][1].read() if t.is_meta else t)
+        if shard.cuts(name) else t
+        for name, t in weights.items()
+    }  # fmt: skip
     if fp8_format is None:
         return weights
     try:
@@ -331,8 +337,11 @@ def _checkpoint_weights(
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
     if args.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints still store the copy
+    # families that build tensors from several (per-expert stacks, MXFP4 dequantization) take
+    # the record of file reads, so the built tensor is read later straight into its memory
+    lazy = {"origins": origins} if getattr(family, "SANITIZE_TAKES_ORIGINS", False) else {}
     try:
-        return family.sanitize(weights, args)
+        return family.sanitize(weights, args, **lazy)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
 

@@ -7,6 +7,9 @@ read from the file is read again with pread into its own memory (safetensors_io.
 no mapped page is ever touched; (2) the q/k/v and gate/up concatenation: the fused buffers are
 allocated first (layers.allocate_fused) and each part is copied straight into its slice; (3) the
 dict of cast tensors next to the originals: each source is dropped as soon as it is copied.
+Tensors a family's sanitize builds from several (Qwen3-MoE's per-expert stacks, dequantized
+MXFP4 experts) arrive as meta tensors whose origin reads the parts into one new buffer
+(safetensors_io.StackedRead, mxfp4.DequantizedRead), so (1) holds for them too.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def materialize(
         elif view is not None:  # the cast and the device copy in one pass, into the fused buffer
             view.copy_(ref[1].read(scratch=scratch) if is_file else source)
         else:
+            if source.is_meta and not is_file:  # a lazy tensor rewritten after sanitize made it
+                raise ModelLoadError(f"tensor {name!r}: its bytes were never read (a loader bug)")
             source = ref[1].read(scratch=scratch) if is_file else source
             view = source.to(device=device, dtype=targets[name])
         state[name] = view

@@ -21,6 +21,7 @@ import ops
 from models.args import FULL_ATTENTION, SLIDING_ATTENTION
 from models.args import ModelArgs as BaseArgs
 from models.layers import Attention, CausalLM, DecoderLayer, GatedMLP
+from models.safetensors_io import Origins, stack_reads
 
 
 @dataclass
@@ -105,11 +106,16 @@ class Model(CausalLM):
         super().__init__(args, make_layer)
 
 
+SANITIZE_TAKES_ORIGINS = True  # models/loader.py passes its file reads (stacks read lazily)
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def sanitize(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Stack per-expert Hub tensors into the fused [E, ...] parameters."""
+def sanitize(
+    weights: dict[str, torch.Tensor], args: ModelArgs, origins: Origins | None = None
+) -> dict[str, torch.Tensor]:
+    """Stack per-expert Hub tensors into the fused [E, ...] parameters. With `origins` (the
+    loader's record of file reads) the stacks are meta tensors read later, each expert's tensors
+    straight into its rows (safetensors_io.stack_reads): no stacked copy beside the parts."""
     grouped: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     out = {}
     for name, tensor in weights.items():
@@ -120,7 +126,7 @@ def sanitize(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
         prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
         grouped.setdefault(prefix, {}).setdefault(proj, {})[expert] = tensor
     for prefix, projs in grouped.items():
-        stacked = {}
+        parts = {}
         for proj in ("gate_proj", "up_proj", "down_proj"):
             experts = projs.get(proj, {})
             if sorted(experts) != list(range(args.num_experts)):
@@ -128,9 +134,11 @@ def sanitize(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
                 raise ValueError(
                     f"{prefix}: {proj} is missing expert(s) {missing} of {args.num_experts}"
                 )
-            stacked[proj] = torch.stack(
-                [experts[e] for e in range(args.num_experts)]
-            )  # [E, out, in]
-        out[f"{prefix}.gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1)
-        out[f"{prefix}.down_proj"] = stacked["down_proj"]
+            parts[proj] = [experts[e] for e in range(args.num_experts)]  # each [out, in]
+        gate_up = [[g, u] for g, u in zip(parts["gate_proj"], parts["up_proj"])]
+        down = [[d] for d in parts["down_proj"]]
+        for stacked, rows in (("gate_up_proj", gate_up), ("down_proj", down)):
+            name = f"{prefix}.{stacked}"
+            lazy = stack_reads(rows, origins, name)  # [E, 2I, H] (gate rows, then up); [E, H, I]
+            out[name] = lazy if lazy is not None else torch.stack([torch.cat(r) for r in rows])
     return out

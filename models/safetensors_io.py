@@ -169,7 +169,62 @@ def pad_along(tensor: torch.Tensor, dim: int, pad: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
 
 
-Origins = dict  # checkpoint name -> (weakref to the mapped tensor read, its FileTensor)
+Origins = dict  # checkpoint name -> (weakref to the tensor the loader holds, how to read it)
+
+
+@dataclass(frozen=True)
+class StackedRead:
+    """A tensor stacked from checkpoint tensors (Qwen3-MoE's per-expert Hub tensors into one
+    [E, ...] tensor): each part read with pread straight into its rows of the output, so neither
+    the mapped pages nor a stack/cat copy ever exist beside it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: tuple[tuple[int, int, int, FileTensor], ...]  # (expert, first row, rows, read)
+
+    def read(self, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None):
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.dtype)
+        for expert, row, rows, where in self.parts:
+            where.read(out=out[expert].narrow(0, row, rows), scratch=scratch)
+        return out
+
+
+def file_reads(origins: Origins) -> dict[int, FileTensor]:
+    """id(tensor) -> its FileTensor, for every tensor the loader still holds as read from the file
+    (a family's sanitize finds its inputs' bytes by identity: names may have been renamed)."""
+    return {id(t): where for ref, where in origins.values()
+            if isinstance(where, FileTensor) and (t := ref()) is not None}  # fmt: skip
+
+
+def lazy_tensor(origins: Origins, name: str, shape, dtype: torch.dtype, reader) -> torch.Tensor:
+    """A meta tensor standing for `name`, whose bytes `reader.read()` gives when the model is
+    filled (models/materialize.py)."""
+    tensor = torch.empty(shape, dtype=dtype, device="meta")
+    origins[name] = (weakref.ref(tensor), reader)
+    return tensor
+
+
+def stack_reads(rows: list[list[torch.Tensor]], origins: Origins | None, name: str):
+    """`torch.stack([torch.cat(r) for r in rows])` as a meta tensor whose bytes are read later
+    (origins[name] says how, models/materialize.py), when every part is a file read the loader
+    recorded with one dtype; None otherwise (the caller stacks the tensors themselves)."""
+    if not origins or len({t.dtype for r in rows for t in r}) != 1:
+        return None
+    reads = file_reads(origins)
+    parts, first = [], rows[0]
+    for expert, tensors in enumerate(rows):
+        if [t.shape for t in tensors] != [t.shape for t in first]:
+            return None
+        row = 0
+        for t in tensors:
+            if id(t) not in reads:
+                return None
+            parts.append((expert, row, t.shape[0], reads[id(t)]))
+            row += t.shape[0]
+    shape = (len(rows), sum(t.shape[0] for t in first), *first[0].shape[1:])
+    dtype = first[0].dtype
+    return lazy_tensor(origins, name, shape, dtype, StackedRead(shape, dtype, tuple(parts)))
 
 
 def note_origin(origins: Origins | None, tensor: torch.Tensor, where: FileTensor) -> None:

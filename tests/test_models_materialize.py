@@ -91,3 +91,18 @@ def test_fp8_nan_code_is_found_on_the_loaded_copy(tmp_path):
     rewrite(fp8_dir, {name: weight})
     with pytest.raises(ModelLoadError, match=rf"{name}' has 1 fp8 NaN value"):
         load_model(fp8_dir, device="cpu", dtype="float32")
+
+
+def test_a_lazy_tensor_without_its_read_is_a_load_error_naming_it():
+    """A meta tensor sanitize left to be read later must still be its recorded read; else a clear
+    error instead of torch's 'cannot copy out of meta tensor'."""
+    from torch import nn
+
+    from models.errors import ModelLoadError
+    from models.materialize import materialize
+
+    with torch.device("meta"):
+        model = nn.Linear(4, 3, bias=False)
+    weights = {"weight": torch.empty(3, 4, device="meta")}
+    with pytest.raises(ModelLoadError, match="'weight': its bytes were never read"):
+        materialize(model, weights, {}, torch.device("cpu"), torch.float32)

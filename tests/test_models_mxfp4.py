@@ -64,9 +64,9 @@ def test_blocks_without_scales_is_an_error_naming_the_tensor():
         dequantize_mxfp4_weights({"experts.down_proj_blocks": blocks}, torch.float32)
 
 
-def write_mxfp4_gpt_oss(directory, seed=0):
+def write_mxfp4_gpt_oss(directory, seed=0, **overrides):
     """A tiny gpt-oss folder laid out like the real checkpoints: experts as _blocks/_scales."""
-    reference = build_tiny_model("gpt_oss", seed=seed)
+    reference = build_tiny_model("gpt_oss", seed=seed, **overrides)
     reference.config.save_pretrained(directory)
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {

@@ -17,7 +17,15 @@ own `resource.getrusage` max RSS (mapped file pages included) and its peak anony
 (RssAnon sampled every 2 ms), both as growth over the process before the engine started
 (Python, torch, the tokenizer), and what it holds while serving (RSS, anonymous, file pages).
 
-    .venv/bin/python tools/bench_tp.py --rss
+    PYTHONPATH=. .venv/bin/python tools/bench_tp.py --rss
+    PYTHONPATH=. .venv/bin/python tools/bench_tp.py --rss --rss-geometry qwen3_moe
+    PYTHONPATH=. .venv/bin/python tools/bench_tp.py --rss --rss-geometry qwen3_moe --expert-parallel
+
+(PYTHONPATH=.: a script's own folder, not the cwd, leads sys.path, so without it this process
+and its ranks import the installed checkout instead of this one.)
+
+`--rss-geometry qwen3_moe` writes a random Qwen3-MoE (MOE_RSS_GEOMETRY, 584 MB) whose experts are
+one tensor per expert and projection, as on the Hub (stacked into [E, ...] at load).
 """
 
 from __future__ import annotations
@@ -46,17 +54,38 @@ GEOMETRY = dict(
 
 RSS_GEOMETRY = {**GEOMETRY, "num_hidden_layers": 16, "intermediate_size": 4096,
                 "torch_dtype": "bfloat16"}  # fmt: skip
+# --rss-geometry qwen3_moe: 16 experts of 512 per layer, written as the Hub lays them out (one
+# tensor per expert and projection, stacked at load); 292M parameters, experts 69% of them
+MOE_RSS_GEOMETRY = {**RSS_GEOMETRY, "model_type": "qwen3_moe", "num_hidden_layers": 8,
+                    "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 16,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 512,
+                    "norm_topk_prob": True}  # fmt: skip
+RSS_GEOMETRIES = {"llama": RSS_GEOMETRY, "qwen3_moe": MOE_RSS_GEOMETRY}
 
 
-def write_random_checkpoint(directory: Path) -> int:
-    """RSS_GEOMETRY's tensors, N(0, 0.02) in bf16 (norms 1); returns the bytes written."""
+def hub_layout(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stacked Qwen3-MoE expert tensor as the Hub stores it (one tensor per expert)."""
+    prefix, _, leaf = name.rpartition(".")
+    if leaf == "gate_up_proj":  # [E, 2I, H]: gate rows, then up
+        inter = tensor.shape[1] // 2
+        return {f"{prefix}.{e}.{proj}.weight": part.clone() for e in range(tensor.shape[0])
+                for proj, part in (("gate_proj", tensor[e, :inter]), ("up_proj", tensor[e, inter:]))}  # fmt: skip
+    if leaf == "down_proj" and prefix.endswith(".experts"):  # [E, H, I]
+        return {f"{prefix}.{e}.down_proj.weight": tensor[e].clone() for e in range(tensor.shape[0])}
+    return {name: tensor}
+
+
+def write_random_checkpoint(directory: Path, geometry: str = "llama") -> int:
+    """RSS_GEOMETRIES[geometry]'s tensors, N(0, 0.02) in bf16 (norms 1), MoE experts in the Hub
+    layout; returns the bytes written."""
     from safetensors.torch import save_file
 
     from models.loader import _hf_config
     from models.registry import get_family
 
-    (directory / "config.json").write_text(json.dumps(RSS_GEOMETRY))
-    family = get_family("llama")
+    config = RSS_GEOMETRIES[geometry]
+    (directory / "config.json").write_text(json.dumps(config))
+    family = get_family(config["model_type"])
     with torch.device("meta"):
         model = family.Model(family.ModelArgs.from_hf_config(_hf_config(directory)))
     generator = torch.Generator().manual_seed(0)
@@ -65,7 +94,8 @@ def write_random_checkpoint(directory: Path) -> int:
         if "norm" in name:
             tensors[name] = torch.ones(t.shape, dtype=torch.bfloat16)
         else:
-            tensors[name] = (torch.randn(t.shape, generator=generator) * 0.02).to(torch.bfloat16)
+            value = (torch.randn(t.shape, generator=generator) * 0.02).to(torch.bfloat16)
+            tensors |= hub_layout(name, value)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return sum(t.nbytes for t in tensors.values())
 
@@ -99,7 +129,7 @@ class AnonPeak:
             time.sleep(self.period)
 
 
-def rss_child(directory: str) -> None:
+def rss_child(directory: str, expert_parallel: bool = False) -> None:
     """One rank of the --rss run (RANK set: a torchrun-style rank; else tp 1)."""
     import atexit
     import resource
@@ -136,23 +166,26 @@ def rss_child(directory: str) -> None:
     ModelRunner.forward_logits = serving
     size = int(os.environ.get("WORLD_SIZE", 1))
     engine = Engine(directory, device="cpu", dtype="auto", max_total_tokens=256,
-                    tokenizer=str(default_model_path()), tensor_parallel_size=size)  # fmt: skip
+                    tokenizer=str(default_model_path()), tensor_parallel_size=size,
+                    enable_expert_parallel=expert_parallel and size > 1)  # fmt: skip
     engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0))
     engine.close()
     sys.exit(0)
 
 
-def _rss_rounds(directory: Path, threads: int, repeats: int):
+def _rss_rounds(directory: Path, threads: int, repeats: int, geometry: str, ep: bool):
     import subprocess
     import sys
 
     from torch_runner.distributed.group import free_port
 
     # written by a child: a process starts with its parent's max RSS (Linux keeps it over exec)
-    written = subprocess.run([sys.executable, __file__, "--rss-write", str(directory)],
+    written = subprocess.run([sys.executable, __file__, "--rss-write", str(directory),
+                              "--rss-geometry", geometry],
                              capture_output=True, text=True, check=True)  # fmt: skip
     nbytes = int(written.stdout.split()[-1])
-    print(f"bench_tp --rss: random llama, {nbytes / 2**20:.0f} MiB of bf16 weights")
+    print(f"bench_tp --rss: random {geometry}, {nbytes / 2**20:.0f} MiB of bf16 weights"
+          + (", tp 2 expert parallel" if ep else ""))  # fmt: skip
     base_env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     runs: dict[tuple[int, int], list[dict]] = {}
     for size in (1, 2) * repeats:
@@ -162,7 +195,8 @@ def _rss_rounds(directory: Path, threads: int, repeats: int):
                     "MASTER_PORT": str(free_port())}  # fmt: skip
         procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "--rss-child", str(directory)],
+                [sys.executable, __file__, "--rss-child", str(directory)]
+                + (["--expert-parallel"] if ep else []),
                 env=env | ({"RANK": str(r), "LOCAL_RANK": str(r)} if size > 1 else {}),
                 stdout=subprocess.PIPE,
                 text=True,
@@ -176,10 +210,10 @@ def _rss_rounds(directory: Path, threads: int, repeats: int):
     return nbytes, runs
 
 
-def rss_run(threads: int, repeats: int) -> None:
+def rss_run(threads: int, repeats: int, geometry: str, ep: bool) -> None:
     directory = Path(tempfile.mkdtemp(prefix="bench_tp_rss_"))
     try:
-        nbytes, runs = _rss_rounds(directory, threads, repeats)
+        nbytes, runs = _rss_rounds(directory, threads, repeats, geometry, ep)
     finally:
         shutil.rmtree(directory, ignore_errors=True)  # the 634 MB checkpoint
     weights_mb = nbytes / 2**20
@@ -234,15 +268,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds (median)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads in all")
     parser.add_argument("--rss", action="store_true", help="peak RSS per rank, tp 1 vs 2")
+    parser.add_argument(
+        "--rss-geometry",
+        choices=sorted(RSS_GEOMETRIES),
+        default="llama",
+        help="--rss: the random checkpoint (qwen3_moe: Hub per-expert tensors)",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="--rss: tp 2 holds whole experts per rank (enable_expert_parallel)",
+    )
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     parser.add_argument("--rss-write", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_write:
-        return print(write_random_checkpoint(Path(args.rss_write)))
+        return print(write_random_checkpoint(Path(args.rss_write), args.rss_geometry))
     if args.rss_child:
-        return rss_child(args.rss_child)
+        return rss_child(args.rss_child, args.expert_parallel)
     if args.rss:
-        return rss_run(max(1, args.threads // 2), args.repeats)
+        return rss_run(max(1, args.threads // 2), args.repeats, args.rss_geometry,
+                       args.expert_parallel)  # fmt: skip
     directory = Path(tempfile.mkdtemp(prefix="bench_tp_"))
     (directory / "config.json").write_text(json.dumps(GEOMETRY))
     common = dict(device="cpu", dtype="float32", load_format="dummy", max_total_tokens=8192,

@@ -49,6 +49,9 @@ def _whole_experts(plan, name: str, moe: nn.Module) -> None:
     for attr in tensors:  # every expert tensor is [E, ...]: this rank's experts, whole
         plan.slices[f"{prefix}.{attr}"] = narrow(0, start, local)
         _resize(ex, attr, 0, local)
+    if isinstance(moe, gpt_oss.MoE) and not ex.is_packed:  # MXFP4 dequantized at load
+        _packed_sources(plan, prefix, {"gate_up_proj": (0, start, local),
+                                       "down_proj": (0, start, local)})  # fmt: skip
     if start:
         moe.expert_parallel = {"expert_start": start}
     plan.num_local_experts = local
@@ -96,11 +99,25 @@ def _within_gpt_oss(plan, name: str, moe: nn.Module) -> None:
         }
     else:
         cuts = {"gate_up_proj": (2, 2 * start, 2 * size), "down_proj": (1, start, size)}
+        aligned = {"gate_up_proj": (1, 2 * start, 2 * size)}  # MXFP4 sources: their rows
+        if size % MXFP4_GROUP == 0:  # else down is dequantized whole and cut after
+            aligned["down_proj"] = (2, start // MXFP4_GROUP, size // MXFP4_GROUP)
+        _packed_sources(plan, prefix, aligned)
     cuts["gate_up_proj_bias"] = (1, 2 * start, 2 * size)
     for attr, (dim, first, length) in cuts.items():
         plan.slices[f"{prefix}.{attr}"] = narrow(dim, first, length)
         _resize(ex, attr, dim, length)
     plan.rank0_only.add(f"{prefix}.down_proj_bias")  # added once, before the sum
+
+
+def _packed_sources(plan, prefix: str, cuts: dict) -> None:
+    """Dense experts dequantized from an MXFP4 checkpoint (moe_weights="dequantized"): its
+    `_blocks` / `_scales` are read as this rank's part (`cuts`: dense name -> the packed tensors'
+    (dim, start, length)), so the dense tensor sanitize makes is already the rank's part."""
+    for base, (dim, first, length) in cuts.items():
+        for suffix in ("_blocks", "_scales"):
+            plan.slices[f"{prefix}.{base}{suffix}"] = narrow(dim, first, length)
+        plan.presliced.add(f"{prefix}.{base}")
 
 
 def rename_raw(plan, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -161,7 +161,12 @@ class ShardPlan:
         cut, stacked = entry
         for done in stacked:
             self.slices.pop(done, None)
-        return cut(tensor).contiguous()
+        return tensor if name in self.presliced else cut(tensor).contiguous()
+
+    def cuts(self, name: str) -> bool:
+        """Whether `shard_tensor` changes checkpoint tensor `name` (not read as its part)."""
+        is_zeroed = name in self.rank0_only and self.rank != 0
+        return is_zeroed or (name not in self.presliced and name in self.slices)
 
     def shard_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor `name` (a copy of the slice only)."""

@@ -2,9 +2,9 @@
 `safe_open(...).get_slice(name)[...]`, a view of the memory-mapped file that nothing touches
 while the loader checks names and shapes. Its `FileTensor` names the slice, so the loader then
 reads just those bytes with pread into the rank's memory (models/materialize.py): a rank's
-resident memory is its shard, not the checkpoint, and no file page stays mapped. Tensors the
-plan keeps whole, or that the family's sanitize rewrites (per-expert stacks, MXFP4
-dequantization), are read whole as at one rank."""
+resident memory is its shard, not the checkpoint, and no file page stays mapped. Per-expert
+Hub tensors (plan.raw_slices) are read as slices alike, and the family's sanitize stacks them
+without reading (safetensors_io.stack_reads). Tensors the plan keeps whole are read whole."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def read_shard(plan, files: list[Path], origins=None) -> dict[str, torch.Tensor]
             for name in reader.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 if name in tensors:
                     raise ModelLoadError(f"tensor {name!r} appears twice (again in {file.name})")
-                spec = getattr(plan.slices.get(name), "spec", None)
+                cut = plan.slices.get(name) or plan.raw_slices.get(name, (None,))[0]
+                spec = getattr(cut, "spec", None)  # raw: a per-expert tensor sanitize stacks
                 try:
                     if spec is None or name in plan.rank0_only:
                         tensors[name] = reader.get_tensor(name)
