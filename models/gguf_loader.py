@@ -104,7 +104,7 @@ def int4_blocks(
     else:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         zeros = m + 8 * d
-    return codes.astype(np.int32), d, zeros
+    return codes, d, zeros
 
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32-value block
@@ -144,6 +144,8 @@ def read_weights(
     slices: name -> (dim, start, length, pad), a tensor-parallel rank's part of each tensor
     (torch_runner/distributed/shard.py): only those rows / blocks are decoded and re-packed."""
     import gguf
+
+    from models.quantize import return_freed_memory
 
     reader = gguf.GGUFReader(str(file))
     arch = _field(reader, "general.architecture")
@@ -197,6 +199,9 @@ def read_weights(
             codes, scales, zeros = sources[name]
             dense = (codes.float().reshape(codes.shape[0], -1, 32) - 8) * scales[..., None]
             weights[name] = (dense + zeros[..., None]).reshape(codes.shape).to(dtype)
+            del dense
+            if len(weights) % 16 == 0:
+                return_freed_memory()
             continue
         if type_name == "BF16":
             values = torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(
@@ -224,6 +229,8 @@ def read_weights(
         if heads:
             values = torch.from_numpy(_llama_unpermute(values.float().numpy(), heads))
         weights[name] = _finish_cut(values, later).to(dtype)
+        if len(weights) % 16 == 0:
+            return_freed_memory()  # the decode temporaries; glibc keeps them otherwise
     if quantization == "auto":
         linear_types = {tensors[name_map.get_name(n, try_suffixes=(".weight",))].tensor_type.name
                         for n in expected if n.endswith("proj.weight")}  # fmt: skip
