@@ -17,24 +17,11 @@ import jsonschema
 import openai
 import pytest
 from serve_fixtures import API_KEY, MODEL_NAME, ThreadedServer, save_serve_checkpoint
+from test_serve_auto_tools import TIME as TIME_SCHEMA
+from test_serve_auto_tools import WEATHER as WEATHER_SCHEMA
 
 pytestmark = pytest.mark.slow  # a real HTTP server; CI still runs it
 
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME_SCHEMA = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",
