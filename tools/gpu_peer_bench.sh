@@ -2,7 +2,9 @@
 # Issue #19 peer comparison in ONE device call: builds llama.cpp (sm_90) in the background while
 # our server and decode benchmarks run, then the same checks on llama.cpp with the same weights.
 # Run from the .gpu_peer copy: bash tools/gpu_peer_bench.sh (needs llama.cpp.tar.xz, tok.tar.xz,
-# whl/ beside it; every step has its own timeout so $OUT gets JSON/PNG/logs even if a late one fails).
+# whl/ beside it: fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
+# AND opentelemetry-api + importlib_metadata (fastapi 0.165 imports opentelemetry; the 2026-12-02 call
+# lacked it, so our server did not start); every step has its own timeout so $OUT gets JSON/PNG/logs even if a late one fails).
 set -u
 OUT=${OUT:-/tmp/out}; W=/tmp/peer; mkdir -p "$OUT" "$W"; T0=$(date +%s)
 log() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$OUT/steps.log"; }
