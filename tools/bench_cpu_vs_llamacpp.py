@@ -102,7 +102,10 @@ def gguf_file(folder: Path, outtype: str, llama_src: Path, work: Path) -> Path:
     if not target.is_file():
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(llama_src / "gguf-py"), str(llama_src)]),
+            # the caller's path stays after llama.cpp's: it may hold sentencepiece
+            "PYTHONPATH": os.pathsep.join(
+                [str(llama_src / "gguf-py"), str(llama_src), os.environ.get("PYTHONPATH", "")]
+            ),
         }
         subprocess.run([sys.executable, str(llama_src / "convert_hf_to_gguf.py"), str(folder),
                         "--outtype", outtype, "--outfile", str(target)], env=env, check=True,
@@ -182,7 +185,7 @@ def main() -> None:
     if args.memory:
         memory_table(pairs)
         return
-    print(f"CPU: {lscpu_summary()}; torch {torch.__version__}, {args.threads} threads")
+    print(f"CPU: {lscpu_summary()}; torch {torch.__version__}, {args.threads} threads", flush=True)
     print(
         f"SmolLM2-135M, batch 1, 32-token prompt, {args.gen_len} greedy tokens, medians of {args.rounds} rounds, order alternating"
     )
