@@ -102,7 +102,10 @@ def gguf_file(folder: Path, outtype: str, llama_src: Path, work: Path) -> Path:
     if not target.is_file():
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(llama_src / "gguf-py"), str(llama_src)]),
+            # the caller's path stays after llama.cpp's: it may hold sentencepiece
+            "PYTHONPATH": os.pathsep.join(
+                [str(llama_src / "gguf-py"), str(llama_src), os.environ.get("PYTHONPATH", "")]
+            ),
         }
         subprocess.run([sys.executable, str(llama_src / "convert_hf_to_gguf.py"), str(folder),
                         "--outtype", outtype, "--outfile", str(target)], env=env, check=True,
@@ -171,6 +174,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", default="all", help="comma list of indexes into PAIRS, or all")
     parser.add_argument("--memory", action="store_true", help="only the per-mode memory table")
+    parser.add_argument("--cpu-compile", choices=("off", "on"), default="off",
+                        help="our batch-1 decode path: off = the flat decoder, on = compiled")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from models.default_model import default_model_path
@@ -182,7 +187,7 @@ def main() -> None:
     if args.memory:
         memory_table(pairs)
         return
-    print(f"CPU: {lscpu_summary()}; torch {torch.__version__}, {args.threads} threads")
+    print(f"CPU: {lscpu_summary()}; torch {torch.__version__}, {args.threads} threads", flush=True)
     print(
         f"SmolLM2-135M, batch 1, 32-token prompt, {args.gen_len} greedy tokens, medians of {args.rounds} rounds, order alternating"
     )
@@ -197,8 +202,14 @@ def main() -> None:
 
         model = default_model_source(dtype, quant) if dtype == "auto" else folder
         engine = Engine(
-            str(model), device="cpu", dtype=dtype, quantization=quant, max_total_tokens=1024
+            str(model),
+            device="cpu",
+            dtype=dtype,
+            quantization=quant,
+            max_total_tokens=1024,
+            cpu_compile=args.cpu_compile,
         )
+        path = "compiled" if engine.runner.compiled_decode is not None else "flat"
         prompt = engine.tokenizer("The history of the lighthouse is a history of people trying to make the sea a little "
                                   "less dangerous. For centuries, ships").input_ids[:32]  # fmt: skip
         ours_tok_s(engine, prompt, 8)  # warm-up
@@ -215,8 +226,9 @@ def main() -> None:
                     theirs.append(llama_tok_s(llm, prompt, args.gen_len))
         a, b = statistics.median(ours), statistics.median(theirs)
         label = dtype if quant == "none" else f"{quant} ({dtype} activations)"
+        label += f", {path}"
         if dtype == "auto":
-            label = "default (the Q4_1 GGUF as int4, bf16 activations)"
+            label = f"default (the Q4_1 GGUF as int4, bf16 activations), {path}"
         print(f"| {label} | {a:.1f} ({min(ours):.0f}-{max(ours):.0f}) | {rss1 - rss0:.0f} | "
               f"{outtype} | {b:.1f} ({min(theirs):.0f}-{max(theirs):.0f}) | {rss2 - rss1:.0f} | "
               f"{a / b:.2f} |", flush=True)  # fmt: skip

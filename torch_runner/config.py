@@ -15,6 +15,7 @@ ALLOWED_WEIGHT_PACKING = ("auto", "off")
 ALLOWED_MOE_WEIGHTS = ("packed", "dequantized")  # models.loader.MOE_WEIGHTS
 ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4", "fp8")  # models.quantize.QUANTIZATIONS
 ALLOWED_SWA_KV = ("auto", "windowed", "paged")
+ALLOWED_CPU_COMPILE = ("off", "on")  # runner/cpu_compiled.py
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
@@ -53,6 +54,7 @@ class EngineConfig:
     max_waiting: int = 1024
     max_cached_windows: int = 64  # SWA prefix payloads kept: this many windows of tokens (LRU)
     weight_packing: str = "auto"  # auto: oneDNN-packed matmul weights on CPU; off: dense
+    cpu_compile: str = "off"  # on: batch-1 CPU decode through an inductor-compiled step
     moe_weights: str = "packed"  # MXFP4 experts as on disk; "dequantized": expanded at load
     quantization: str = "auto"  # auto: the checkpoint's (GGUF Q4 -> int4, Q8_0 -> int8), else none
     enforce_eager: bool = False  # True: never capture CUDA graphs for decode
@@ -125,6 +127,11 @@ class EngineConfig:
             raise ValueError(
                 f"weight_packing={self.weight_packing!r} is invalid; allowed values: "
                 f"{', '.join(ALLOWED_WEIGHT_PACKING)}"
+            )
+        if self.cpu_compile not in ALLOWED_CPU_COMPILE:
+            raise ValueError(
+                f"cpu_compile={self.cpu_compile!r} is invalid; allowed values: "
+                f"{', '.join(ALLOWED_CPU_COMPILE)}"
             )
         if self.moe_weights not in ALLOWED_MOE_WEIGHTS:
             raise ValueError(

@@ -27,6 +27,7 @@ from torch_runner.kv.caches import (
     WindowedKVCache,
 )
 from torch_runner.kv.windows import payload_source, restore_windows
+from torch_runner.runner.cpu_compiled import CompiledDecoder
 from torch_runner.runner.cpu_decode import FlatDecoder, supports_fast_decode
 from torch_runner.runner.cuda_graphs import DecodeGraphs
 from torch_runner.runner.graph_head import GraphHead
@@ -152,6 +153,17 @@ class ModelRunner:
         if is_cpu and supports_fast_decode(self.model, self.args):
             reduce = None if tensor_parallel is None else tensor_parallel.group.all_reduce
             self.fast_decode = FlatDecoder(self.model, reduce)
+        # batch-1 decode through the compiled step (cpu_compiled.py): traceable weights only
+        self.compiled_decode = None
+        if self.fast_decode is not None and config.cpu_compile == "on":
+            if tensor_parallel is not None or self.is_packed:
+                logger.warning(
+                    "cpu_compile: packed weights or tensor parallel; the eager decode loop"
+                )
+            else:
+                self.compiled_decode = CompiledDecoder(
+                    self.model, self.pool, self.block_size, num_blocks
+                )
         # decode steps whose sampling allows it sample inside the graph (False: always eager)
         self.graph_sampling = True
         self.generator = torch.Generator(device=device)
@@ -236,6 +248,8 @@ class ModelRunner:
             layouts: dict = {}
             for j, layer in enumerate(self.swa_layers):
                 caches[layer] = WindowedBatchView([row[j] for row in per_row], num_new, layouts)
+        if self.compiled_decode is not None and b == 1 and n == 1:
+            return self.compiled_decode(input_ids, positions, group[0].seq.block_table)
         if self.fast_decode is not None and n == 1:
             return self.fast_decode(input_ids, positions, caches)
         return self.model(input_ids, positions, caches)

@@ -143,6 +143,15 @@ def model_flags(add: Adder, d: dict[str, Any]) -> None:
         "Default: %(default)s.",
     )
     add(
+        "--cpu-compile",
+        choices=("off", "on"),
+        default=d["cpu_compile"],
+        help="on: batch-1 CPU decode runs an inductor-compiled step (torch.compile, needs a C++ "
+        "compiler; compiled at the first decode step, tens of seconds) for plain full-attention "
+        "models with int8/int4 or unpacked (--weight-packing off) weights; others keep the "
+        "eager loop. Default: %(default)s.",
+    )
+    add(
         "--enforce-eager",
         "--disable-cuda-graph",
         action="store_true",
