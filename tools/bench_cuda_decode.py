@@ -98,6 +98,7 @@ def write_checkpoint(name: str, directory: Path) -> str:
 SAMPLING = {  # --sampling: what every request of a decode run asks for
     "greedy": dict(temperature=0.0),
     "seeded": dict(temperature=0.8, top_p=0.95, top_k=50),  # + a seed per request
+    "random": dict(temperature=0.8, top_p=0.95, top_k=50),  # unseeded: the plain sampler
 }
 
 

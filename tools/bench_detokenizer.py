@@ -11,6 +11,7 @@ import argparse
 import random
 import statistics
 import time
+from functools import partial
 
 from torch_runner.detokenizer import IncrementalDetokenizer
 
@@ -18,7 +19,7 @@ from torch_runner.detokenizer import IncrementalDetokenizer
 def run(tokenizer, ids: list[int], use_backend: bool) -> tuple[float, str]:
     detok = IncrementalDetokenizer(tokenizer, ids[:5])
     if not use_backend:
-        detok._backend = None
+        detok._decode = partial(tokenizer.decode, skip_special_tokens=True)
     t0 = time.perf_counter()
     for token in ids:
         detok.append(token)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """One generated token's logprob and the `top_logprobs` most likely alternatives."""
 
@@ -14,7 +14,7 @@ class Logprob:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step: slots make it cheaper to build
 class RequestOutput:
     """Cumulative state of one request plus the increment of the latest step.
 
