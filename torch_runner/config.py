@@ -16,6 +16,7 @@ ALLOWED_MOE_WEIGHTS = ("packed", "dequantized")  # models.loader.MOE_WEIGHTS
 ALLOWED_QUANTIZATION = ("auto", "none", "int8", "int4", "fp8")  # models.quantize.QUANTIZATIONS
 ALLOWED_SWA_KV = ("auto", "windowed", "paged")
 ALLOWED_CPU_COMPILE = ("off", "on")  # runner/cpu_compiled.py
+ALLOWED_EAGER_WARMUP = ("auto", "off")  # runner/warmup.py
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
@@ -55,6 +56,8 @@ class EngineConfig:
     max_cached_windows: int = 64  # SWA prefix payloads kept: this many windows of tokens (LRU)
     weight_packing: str = "auto"  # auto: oneDNN-packed matmul weights on CPU; off: dense
     cpu_compile: str = "off"  # on: batch-1 CPU decode through an inductor-compiled step
+    # auto: on CUDA, run every eager prefill / lm_head shape once at start-up (runner/warmup.py)
+    eager_warmup: str = "auto"
     moe_weights: str = "packed"  # MXFP4 experts as on disk; "dequantized": expanded at load
     quantization: str = "auto"  # auto: the checkpoint's (GGUF Q4 -> int4, Q8_0 -> int8), else none
     enforce_eager: bool = False  # True: never capture CUDA graphs for decode
@@ -132,6 +135,11 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_compile={self.cpu_compile!r} is invalid; allowed values: "
                 f"{', '.join(ALLOWED_CPU_COMPILE)}"
+            )
+        if self.eager_warmup not in ALLOWED_EAGER_WARMUP:
+            raise ValueError(
+                f"eager_warmup={self.eager_warmup!r} is invalid; allowed values: "
+                f"{', '.join(ALLOWED_EAGER_WARMUP)}"
             )
         if self.moe_weights not in ALLOWED_MOE_WEIGHTS:
             raise ValueError(

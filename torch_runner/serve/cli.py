@@ -45,6 +45,8 @@ def engine_config(args: argparse.Namespace):
         load_format=args.load_format,
         max_waiting=args.max_waiting,
         weight_packing=args.weight_packing,
+        cpu_compile=args.cpu_compile,
+        eager_warmup=args.eager_warmup,
         moe_weights=args.moe_weights,
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,

@@ -152,6 +152,14 @@ def model_flags(add: Adder, d: dict[str, Any]) -> None:
         "eager loop. Default: %(default)s.",
     )
     add(
+        "--eager-warmup",
+        choices=("auto", "off"),
+        default=d["eager_warmup"],
+        help="auto: on CUDA, run each eager prefill and lm_head matmul shape once at start-up "
+        "(under a second for a 1B model), so no request's first token pays cuBLAS's first-use "
+        "choice; off: skip it. Default: %(default)s.",
+    )
+    add(
         "--enforce-eager",
         "--disable-cuda-graph",
         action="store_true",
