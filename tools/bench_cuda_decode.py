@@ -298,6 +298,8 @@ def main() -> None:
         "graph is captured before timing)",
     )
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--eager-warmup", choices=("auto", "off"), default="auto",
+                        help="EngineConfig.eager_warmup (runner/warmup.py): off to compare")  # fmt: skip
     parser.add_argument("--sampling", default="greedy", help="comma list of " + ",".join(SAMPLING))
     parser.add_argument("--async-scheduling", choices=("auto", "on", "off", "both"), default="auto",
                         help="overlapped scheduling; both: on and off interleaved, one engine")  # fmt: skip
@@ -334,7 +336,7 @@ def main() -> None:
                     max_total_tokens=max(batches) * (args.prompt_len + args.gen_len) + 4096,
                     max_num_seqs=max(batches), enable_prefix_caching=False,
                     enforce_eager=args.enforce_eager, cuda_graph_max_bs=max(batches),
-                    quantization=args.quantization,
+                    quantization=args.quantization, eager_warmup=args.eager_warmup,
                     async_scheduling={"on": True, "off": False}.get(args.async_scheduling))  # fmt: skip
     modes = [engine.is_overlapped] if args.async_scheduling != "both" else [True, False]
     step_ms = {}  # (batch, overlapped) -> unprofiled ms per decode step
