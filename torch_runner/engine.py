@@ -17,6 +17,7 @@ from models import ModelLoadError, load_model
 from models.hub import resolve_model
 from ops.sampling.params import SamplingParams
 from torch_runner.config import EngineConfig
+from torch_runner.distributed.group import LOAD_TIMEOUT
 from torch_runner.distributed.launch import start_tensor_parallel
 from torch_runner.engine_step import NON_FINITE_MESSAGE, EngineSteps
 from torch_runner.kv.block_manager import BlockManager
@@ -123,7 +124,8 @@ class Engine(EngineSteps):
             )
             self.max_model_len = num_blocks * config.block_size
         if tp is not None:
-            tp.group.send(num_blocks)  # the workers build the same pool (their heads' KV)
+            # the workers build the same pool (their heads' KV) once their shards are loaded
+            tp.group.send(num_blocks, timeout=LOAD_TIMEOUT)
         self.runner = ModelRunner(loaded, config, num_blocks, self.device, self.dtype, sorted(eos),
                                   tensor_parallel=tp and tp.plan)  # fmt: skip
         if self.device.type == "cuda" and config.eager_warmup == "auto" and tp is None:

@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 
 IDLE_TIMEOUT = timedelta(days=30)  # a worker may wait this long for rank 0's next step
+# rank 0's first message (the pool size) waits for every worker to finish loading its shard,
+# which on a busy host or a slow disk takes longer than a step may (dist_timeout)
+LOAD_TIMEOUT = timedelta(minutes=10)
 STOP = "stop"
 
 
@@ -99,21 +102,23 @@ class TPGroup:
             raise RankFailure(f"logits gather failed at rank {self.rank}: {exc}", self) from exc
         return torch.cat(parts, dim=-1)
 
-    def send(self, message) -> None:
+    def send(self, message, timeout: timedelta | None = None) -> None:
         """Rank 0: broadcast one picklable message to the workers over the control group.
 
         The workers wait on that group with the idle timeout, but rank 0 waits at most
-        dist_timeout for them to take it (a hung worker fails the send, not the server)."""
+        dist_timeout (or `timeout`, if longer: start-up) for them to take it (a hung worker
+        fails the send, not the server)."""
+        timeout = max(self.timeout, timeout or self.timeout)
         payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         try:
             for tensor in (size, payload):
                 work = dist.broadcast(tensor, src=0, group=self.control, async_op=True)
-                work.wait(timeout=self.timeout)
+                work.wait(timeout=timeout)
         except Exception as exc:
             raise RankFailure(
                 f"a tensor parallel worker did not take the step (it exited, or did not answer "
-                f"within {self.timeout}): {exc}",
+                f"within {timeout}): {exc}",
                 self,
             ) from exc
 
