@@ -31,6 +31,8 @@ shapes not measured).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -41,8 +43,13 @@ WORKSPACE_FLOATS = 2**22  # fp32 partials [SPLIT_K, BLOCK_M, N] of one split cal
 MAX_COUNTERS = 2**16  # column blocks of one split call
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 # 1-byte weights: convert each slice to fp16 as it is loaded instead of carrying the raw bytes
-# across the loop (the SASS re-pairs carried fp8 bytes: ~30 PRMT per 16 bytes); not yet timed
-WIDEN_1BYTE = False
+# across the loop (the sm_90 SASS re-pairs carried fp8 bytes: 103 -> 78 instructions per 16
+# weight bytes per thread at the 8 x 256 tile, read offline); not yet timed. Read once.
+ENV_WIDEN = "TORCH_RUNNER_GEMV_WIDEN"  # "1": widen, "0" (default): carry the raw bytes
+_widen_raw = os.environ.get(ENV_WIDEN, "0").strip()
+if _widen_raw not in ("0", "1"):
+    raise ValueError(f"{ENV_WIDEN}={_widen_raw!r}: allowed values are 0 and 1")
+WIDEN_1BYTE = _widen_raw == "1"
 
 
 @triton.jit
