@@ -180,6 +180,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+    # the same table as Python, for ops/quant/gemv_tiles.py
+    print("BF16_CONFIGS = {" + ", ".join(f"{k}: {v}" for k, v in configs.items()) + "}")
+    print("BF16_CUBLAS_FASTER = {" + ", ".join(str(tuple(k)) for k in cublas_faster) + "}")
     print("shape: cuBLAS us (TB/s) | rule tile us | best tile us (TB/s) | cuBLAS / best")
     for r in rows:
         print(f"{r['shape']:>12}: {r['cublas_us']:7.2f} ({r['cublas_tbs']:.2f}) | "
