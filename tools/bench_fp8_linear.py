@@ -115,6 +115,7 @@ def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tupl
     widen = [ms(lambda w=w: gemv(x, f8.weight, f8.scale, best, widen=w)) for w in (False, True)]
     int8_gemv = ms(lambda: gemv(x, i8.qweight, i8.scales, best))
     int8_widen = ms(lambda: gemv(x, i8.qweight, i8.scales, best, widen=True))
+    bf16_gemv = ms(lambda: gemv(x, w, None)) if m == 1 else None  # the bf16 table's tile
     int8_torch = None
     if m == 1:  # torch's kernel, for the ratio (slow: one row only)
         int8_torch = ms(lambda: torch.ops.aten._weight_int8pack_mm(x, i8.qweight, i8.scales)) * 1e3
@@ -127,7 +128,8 @@ def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tupl
                fp8_raw_us=round(widen[0] * 1e3, 1), fp8_widen_us=round(widen[1] * 1e3, 1),
                widen_speedup=round(widen[0] / widen[1], 3),
                int8_gemv_us=round(int8_gemv * 1e3, 1), int8_widen_us=round(int8_widen * 1e3, 1),
-               int8_torch_us=int8_torch and round(int8_torch, 1))  # fmt: skip
+               int8_torch_us=int8_torch and round(int8_torch, 1),
+               bf16_gemv_us=bf16_gemv and round(bf16_gemv * 1e3, 1))  # fmt: skip
     return row, ((block_rows(m), n, k), best)
 
 
