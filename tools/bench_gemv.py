@@ -15,6 +15,7 @@ matrices, ~4.2 on the heads; that kernel was 10-25% slower than cuBLAS at every 
 
     PYTHONPATH=. python tools/bench_gemv.py --dtype bf16 --shapes llama-1b,llama-8b \
         --precompile 14 --write-configs /tmp/bf16_gemv.json
+    PYTHONPATH=.:/work/triton_site python tools/bench_gemv.py --offline  # no GPU: registers
 """
 
 from __future__ import annotations
@@ -102,6 +103,45 @@ def precompile(dtype: torch.dtype, workers: int) -> None:
     print(f"precompiled {done} kernels in {workers} processes", flush=True)
 
 
+def offline_registers(sweep) -> None:
+    """Compile every tile for sm_90 here, no GPU needed (Triton's bundled ptxas, as
+    tools/check_triton_compile.py does), and print its registers and spill bytes per thread:
+    compile errors the interpreter misses, and tiles that would spill, show before a device call."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ops.quant.gemv_triton import _gemv
+
+    names = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "out_ptr", "ws_ptr", "count_ptr", "N", "K",
+             "k_split", "stride_xm", "stride_wn", "stride_om", "stride_sn")  # fmt: skip
+    types = ["*bf16"] * 5 + ["*fp32", "*i32"] + ["i32"] * 7
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    for bn, bk, warps, split in sweep:
+        for has_bias in (False, True):
+            consts = dict(M=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=True,
+                          HAS_SCALE=False, SCALE_BN=0, SCALE_BK=0, HAS_BIAS=has_bias,
+                          WIDEN=False)  # fmt: skip
+            sig = dict(zip(names, types), **dict.fromkeys(consts, "constexpr"))
+            aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(names) - 1)}
+            src = ASTSource(fn=_gemv, signature=sig, constexprs=consts, attrs=aligned)
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": warps})  # fmt: skip
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
+                                       text=True, check=True).stdout  # fmt: skip
+            regs, spill = re.search(r"REG:(\d+).*LOCAL:(\d+)", usage).groups()
+            print(json.dumps(dict(tile=[bn, bk, warps, split], bias=has_bias, registers=int(regs),
+                                  local_bytes=int(spill))), flush=True)  # fmt: skip
+
+
 def time_shape(name, n, k, dtype, sweep, reps, rounds) -> tuple[dict, tuple]:
     """One shape: cuBLAS, the rule's tile and every sweep tile (checked against fp32 first)."""
     from ops.quant.gemv_tiles import pick_bf16_config
@@ -149,7 +189,11 @@ def main() -> None:
                         help="auto mode takes the GEMV only where it beat cuBLAS by this fraction")  # fmt: skip
     parser.add_argument("--write-configs", default="", help="JSON table for TORCH_RUNNER_BF16_GEMV_CONFIGS")  # fmt: skip
     parser.add_argument("--json", default="", help="JSON lines file for the rows")
+    parser.add_argument("--offline", action="store_true",
+                        help="no GPU: compile the sweep for sm_90, print registers and spills")  # fmt: skip
     args = parser.parse_args()
+    if args.offline:
+        return offline_registers(SWEEP)
     named = {p: nk for shapes in SHAPE_SETS.values() for p, nk in shapes.items()}
     shapes = {}
     for part in (s.strip() for s in args.shapes.split(",") if s.strip()):
