@@ -111,6 +111,26 @@ def test_bf16_gemv_switch_reads_the_mode_and_the_written_table(monkeypatch, tmp_
         gemv_tiles.bf16_gemv_mode()
 
 
+def test_one_row_route_takes_only_row_major_bf16_weights_the_mode_routes(monkeypatch, bf16_table):
+    linear_mod = importlib.import_module("ops.linear")  # `ops.linear` is the function
+
+    route = linear_mod._one_row_route
+    x, w = torch.randn(1, 2048).bfloat16(), torch.randn(1024, 2048).bfloat16()
+    monkeypatch.setattr(linear_mod, "_ONE_ROW_MODE", ["on"])
+    assert route(x.float(), w.float(), None) is None  # fp32
+    assert route(x, torch.randn(2048, 1024).bfloat16().t(), None) is None  # column-major
+    assert route(x, w, torch.randn(1024)) is None  # an fp32 bias
+    assert route(x, w, torch.randn(2048).bfloat16()[::2]) is None  # a strided bias
+    monkeypatch.setattr(linear_mod, "_ONE_ROW_MODE", ["auto"])
+    assert route(x, w[:512], None) is None  # measured, cuBLAS faster
+    monkeypatch.setattr(linear_mod, "_ONE_ROW_MODE", ["off"])
+    assert route(x, w, None) is None
+    if HAS_TRITON:  # routed: the GEMV and the table's tile
+        monkeypatch.setattr(linear_mod, "_ONE_ROW_MODE", ["auto"])
+        gemv, config = route(x, w, torch.randn(1024).bfloat16())
+        assert gemv.__name__ == "gemv" and config == (2, 1024, 4, 1)
+
+
 LLAMA_SHAPES = [(3072, 2048), (2048, 2048), (512, 2048), (8192, 2048), (16384, 2048),
                 (2048, 8192), (128256, 2048), (6144, 4096), (4096, 4096), (1024, 4096),
                 (14336, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]  # fmt: skip
@@ -142,7 +162,7 @@ def test_cuda_bf16_gemv_equals_f_linear_at_the_llama_shapes(n, k):
 @pytest.fixture
 def routes(monkeypatch):
     """ops.linear's one-row routes cleared (and cleared again after), the GEMV's calls counted."""
-    from ops import linear as linear_mod
+    linear_mod = importlib.import_module("ops.linear")  # `ops.linear` is the function
     from ops.quant import gemv_triton
 
     calls = []
