@@ -52,9 +52,54 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.is_quantized:  # QuantizedLinearWeight (plain tensors answer False)
         return weight.linear(x, bias)
-    if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+    if x.is_cuda:
+        return _linear_cuda(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+# (dtypes, weight shape and strides, bias dtype) -> the bf16 GEMV and its tile, or None (cuBLAS):
+# decided once per kind of one-row product, from the mode and table read once at start-up
+_ONE_ROW_ROUTES: dict[tuple, tuple | None] = {}
+_ONE_ROW_MODE: list[str] = []  # ops/quant/gemv_tiles.bf16_gemv_mode(), read on first use
+
+
+def _linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """CUDA: a one-row product (batch-1 decode) through the Triton bf16 GEMV where the start-up
+    switch and table route its shape (ops/quant/gemv_tiles.py: cuBLAS streamed the decode
+    shapes well under the HBM rate), else cuBLAS; eager calls at bucketed row counts. The GEMV
+    has no host sync and a fixed grid, so CUDA graphs capture it; graph and eager steps route
+    a shape alike."""
+    if x.numel() == x.shape[-1]:
+        bias_kind = None if bias is None else (bias.dtype, bias.stride(0))
+        key = (x.dtype, weight.dtype, *weight.shape, *weight.stride(), bias_kind)
+        route = _ONE_ROW_ROUTES.get(key, False)
+        if route is False:
+            route = _ONE_ROW_ROUTES[key] = _one_row_route(x, weight, bias)
+        if route is not None:
+            gemv, config = route
+            out = gemv(x.reshape(1, -1), weight, None, config, bias=bias)  # [1, N]
+            return out.view(*x.shape[:-1], weight.shape[0])
+    if not torch.cuda.is_current_stream_capturing():
         return _linear_eager_cuda(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _one_row_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(gemv, tile) when a one-row product of this kind takes the bf16 GEMV, else None: bf16
+    activations, weight and bias, a row-major 2-D weight, and the mode / table say so."""
+    from ops.quant.gemv_tiles import bf16_gemv_mode, bf16_takes_gemv, pick_bf16_config
+
+    if not _ONE_ROW_MODE:
+        _ONE_ROW_MODE.append(bf16_gemv_mode())
+    is_plain = x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2
+    is_plain = is_plain and weight.stride(-1) == 1  # rows K-contiguous: the kernel's loads
+    if bias is not None:
+        is_plain = is_plain and bias.dtype == x.dtype and bias.stride(0) == 1
+    if not is_plain or not bf16_takes_gemv(1, *weight.shape, _ONE_ROW_MODE[0]):
+        return None
+    from ops.quant.gemv_triton import gemv
+
+    return gemv, pick_bf16_config(1, *weight.shape)
 
 
 EAGER_ROW_BUCKET = 64  # eager CUDA matmuls of more than MIN_PADDED_ROWS rows round M up to this

@@ -8,7 +8,9 @@ of the measured device-to-device copy bandwidth, and the ratio to bf16.
 Why: at batch 1 the fp8 decode step was no faster than bf16 (docs/performance-log.md, 2026-12-01
 23:20): this times the kernels alone, so the tile table and the GEMV-or-`_scaled_mm` choice in
 ops/quant/gemv_tiles.py are measured, not guessed. --write-configs saves the best tiles as JSON;
-tools/bench_cuda_decode.py --gemv-configs runs a model with them.
+tools/bench_cuda_decode.py --gemv-configs runs a model with them. Each row also times the best
+tile with the 1-byte slices widened to fp16 as loaded (`widen`, gemv_triton.WIDEN_1BYTE), fp8
+and int8, against the same tile carrying the raw bytes.
 
     PYTHONPATH=. python tools/bench_fp8_linear.py --rows 1,2,4,8 --write-configs /tmp/gemv.json
 """
@@ -109,7 +111,11 @@ def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tupl
     best_t, best = min(results, default=(default, default_cfg))
     if default < best_t:
         best_t, best = default, default_cfg
+    # the best tile again with each slice converted to fp16 as loaded (gemv_triton.WIDEN_1BYTE)
+    widen = [ms(lambda w=w: gemv(x, f8.weight, f8.scale, best, widen=w)) for w in (False, True)]
     int8_gemv = ms(lambda: gemv(x, i8.qweight, i8.scales, best))
+    int8_widen = ms(lambda: gemv(x, i8.qweight, i8.scales, best, widen=True))
+    bf16_gemv = ms(lambda: gemv(x, w, None)) if m == 1 else None  # the bf16 table's tile
     int8_torch = None
     if m == 1:  # torch's kernel, for the ratio (slow: one row only)
         int8_torch = ms(lambda: torch.ops.aten._weight_int8pack_mm(x, i8.qweight, i8.scales)) * 1e3
@@ -119,7 +125,11 @@ def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tupl
                gemv_best_us=round(best_t * 1e3, 1), gemv_best=list(best),
                gemv_bw_frac=round(n * k / (best_t / 1e3) / ceiling, 3),
                fp8_over_bf16=round(bf16 / min(best_t, scaled), 2),
-               int8_gemv_us=round(int8_gemv * 1e3, 1), int8_torch_us=int8_torch and round(int8_torch, 1))  # fmt: skip
+               fp8_raw_us=round(widen[0] * 1e3, 1), fp8_widen_us=round(widen[1] * 1e3, 1),
+               widen_speedup=round(widen[0] / widen[1], 3),
+               int8_gemv_us=round(int8_gemv * 1e3, 1), int8_widen_us=round(int8_widen * 1e3, 1),
+               int8_torch_us=int8_torch and round(int8_torch, 1),
+               bf16_gemv_us=bf16_gemv and round(bf16_gemv * 1e3, 1))  # fmt: skip
     return row, ((block_rows(m), n, k), best)
 
 
@@ -155,11 +165,13 @@ def main() -> None:
             f.writelines(json.dumps(r) + "\n" for r in lines)
     print(
         "shape rows: bf16 us | _scaled_mm us | gemv us (best tile, HBM frac) | int8 gemv / torch us"
+        " | fp8 raw / widened us (same tile, timed again)"
     )
     for r in lines:
         print(f"{r['shape']:>11} {r['rows']}: {r['bf16_us']:7.1f} | {r['scaled_mm_us']:7.1f} | "
               f"{r['gemv_best_us']:7.1f} ({tuple(r['gemv_best'])}, {r['gemv_bw_frac']:.2f}) | "
-              f"{r['int8_gemv_us']:7.1f} / {r['int8_torch_us'] or '-'}")  # fmt: skip
+              f"{r['int8_gemv_us']:7.1f} / {r['int8_torch_us'] or '-'} | "
+              f"{r['fp8_raw_us']:7.1f} / {r['fp8_widen_us']:7.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

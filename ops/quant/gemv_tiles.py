@@ -1,5 +1,6 @@
 """The GEMV's tiles and where it runs (ops/quant/gemv_triton.py), as data: no triton import, so
-the choice is testable where Triton is absent (CI).
+the choice is testable where Triton is absent (CI). Two tables: 1-byte (fp8 / int8) weights,
+below, and plain bf16 weights (BF16_CONFIGS, further down).
 
 Measured on one H200 (2026-12-02, tools/bench_fp8_linear.py --rows 1,2,4,8: `do_bench` medians
 with the L2 cleared before each call; docs/performance-log.md): for every projection of the
@@ -11,6 +12,9 @@ cost ~1.9x one on the heads), and at 4-8 rows `_scaled_mm` wins most of them.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 MAX_ROWS = 8  # BLOCK_M: the kernel keeps every row's accumulator in registers
 UNMEASURED_MAX_ROWS = 1  # fp8 shapes not in the table take the GEMV up to this many rows
@@ -80,3 +84,71 @@ def fp8_takes_gemv(m: int, n: int, k: int, max_rows: int) -> bool:
     if key in CONFIGS:
         return key not in SCALED_MM_FASTER
     return m <= UNMEASURED_MAX_ROWS
+
+
+# Plain bf16 weights at one row (batch-1 decode): the same kernel with no scale, against cuBLAS
+# (F.linear), which reached 1.4-2.4 TB/s on the Llama-1B's small matrices and ~4.2 on the heads
+# (tools/bench_gemv.py, H200, 2026-12-02). Filled by `tools/bench_gemv.py --dtype bf16
+# --write-configs` (read at start-up through ENV_BF16_GEMV_CONFIGS, or committed here).
+BF16_MAX_ROWS = 1  # the many-row reduction made 2+ rows compute-bound for 1-byte weights
+# (BLOCK_M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT_K): not yet measured on this kernel
+BF16_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+BF16_CUBLAS_FASTER: set[tuple[int, int, int]] = set()  # measured shapes where cuBLAS won
+ENV_BF16_GEMV = "TORCH_RUNNER_BF16_GEMV"  # auto (default) | on | off
+ENV_BF16_GEMV_CONFIGS = "TORCH_RUNNER_BF16_GEMV_CONFIGS"  # a --write-configs JSON file
+BF16_MODES = ("auto", "on", "off")
+
+
+def pick_bf16_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """The bf16 table's tile for [m, k] @ [n, k].T, else a rule (unmeasured): 1024-column slices
+    (16 bytes per thread, 2-14 slices a row at these K), 4 channels (8 past N = 8192) so the
+    small matrices still give 512+ programs, 8 warps for the 8-channel tile, unsplit."""
+    found = BF16_CONFIGS.get((block_rows(m), n, k))
+    if found is not None:
+        return found
+    block_n = 4 if n <= 8192 else 8
+    return block_n, min(1024, 1 << max(k - 1, 1).bit_length()), 4 if block_n == 4 else 8, 1
+
+
+def set_bf16_configs(
+    table: dict[tuple[int, int, int], tuple[int, int, int, int]],
+    cublas_faster: set[tuple[int, int, int]] = frozenset(),
+) -> None:
+    """Replace the bf16 table and the shapes where cuBLAS measured faster (a sweep's result)."""
+    BF16_CONFIGS.clear()
+    BF16_CONFIGS.update(table)
+    BF16_CUBLAS_FASTER.clear()
+    BF16_CUBLAS_FASTER.update(cublas_faster)
+
+
+def read_bf16_configs(path: str) -> None:
+    """Load tools/bench_gemv.py's --write-configs JSON: {"configs": [[[bm, n, k], [bn, bk,
+    warps, split]], ...], "cublas_faster": [[bm, n, k], ...]} into the bf16 table."""
+    with open(path) as f:
+        data = json.load(f)
+    set_bf16_configs({tuple(key): tuple(cfg) for key, cfg in data["configs"]},
+                     {tuple(key) for key in data.get("cublas_faster", [])})  # fmt: skip
+
+
+def bf16_gemv_mode() -> str:
+    """The start-up switch, read once by ops/linear.py: ENV_BF16_GEMV "auto" (default) runs the
+    GEMV for the shapes the table measured faster than cuBLAS, "on" for every one-row bf16 shape
+    (the rule's tile where unmeasured), "off" never; ENV_BF16_GEMV_CONFIGS, when set, is a
+    --write-configs file that replaces the table first."""
+    value = os.environ.get(ENV_BF16_GEMV, "auto").strip().lower()
+    if value not in BF16_MODES:
+        raise ValueError(f"{ENV_BF16_GEMV}={value!r}: allowed values are {', '.join(BF16_MODES)}")
+    path = os.environ.get(ENV_BF16_GEMV_CONFIGS)
+    if path:
+        read_bf16_configs(path)
+    return value
+
+
+def bf16_takes_gemv(m: int, n: int, k: int, mode: str) -> bool:
+    """Whether a bf16 product of `m` rows by an [n, k] weight runs the GEMV under `mode`."""
+    if mode == "off" or m > BF16_MAX_ROWS:
+        return False
+    key = (block_rows(m), n, k)
+    if mode == "on":
+        return True
+    return key in BF16_CONFIGS and key not in BF16_CUBLAS_FASTER

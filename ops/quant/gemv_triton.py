@@ -1,6 +1,8 @@
 """CUDA: one-row / few-row weight-only matmul (GEMV) for 1-byte weights, fp8 (e4m3) or int8, with
 per-output-channel scales: out[M, N] = (x[M, K] @ w[N, K].T) * s[N], x unquantized (or fp8
-with 2-D block scales, applied per slice).
+with 2-D block scales, applied per slice); and, with no scale (HAS_SCALE False), for plain bf16
+weights: the batch-1 decode linears of ops/linear.py, out = x @ w.T (+ bias), where cuBLAS's
+GEMV streamed the small decode matrices at 1.4-2.4 TB/s of the H200's ~4.2.
 
 Why a GEMV and not a tiled matmul: at decode (M <= a few rows) the product is bound by streaming
 the weight once, and a tensor-core tile (M padded to 16) leaves each program few bytes in flight.
@@ -23,26 +25,39 @@ calls on one device must be ordered (one stream, as the engine's steps are), nev
 No host sync; the grid depends on N and M only, so CUDA graphs capture it.
 
 Tiles (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) per shape come from ops/quant/gemv_tiles.py (measured
-on the H200 by tools/bench_fp8_linear.py's sweep, with a rule for shapes not measured).
+on the H200 by tools/bench_fp8_linear.py's sweep, bf16 by tools/bench_gemv.py's, with a rule for
+shapes not measured).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ops.quant.gemv_tiles import block_rows, pick_config
+from ops.quant.gemv_tiles import block_rows, pick_bf16_config, pick_config
 
 WORKSPACE_FLOATS = 2**22  # fp32 partials [SPLIT_K, BLOCK_M, N] of one split call (16 MiB)
 MAX_COUNTERS = 2**16  # column blocks of one split call
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+# 1-byte weights: convert each slice to fp16 as it is loaded instead of carrying the raw bytes
+# across the loop (the sm_90 SASS re-pairs carried fp8 bytes: 103 -> 78 instructions per 16
+# weight bytes per thread at the 8 x 256 tile, read offline); not yet timed. Read once.
+ENV_WIDEN = "TORCH_RUNNER_GEMV_WIDEN"  # "1": widen, "0" (default): carry the raw bytes
+_widen_raw = os.environ.get(ENV_WIDEN, "0").strip()
+if _widen_raw not in ("0", "1"):
+    raise ValueError(f"{ENV_WIDEN}={_widen_raw!r}: allowed values are 0 and 1")
+WIDEN_1BYTE = _widen_raw == "1"
 
 
 @triton.jit
-def _load_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr):
+def _load_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr,
+                WIDEN: tl.constexpr):  # fmt: skip
     """One [BLOCK_N, BLOCK_K] weight slice and its [BLOCK_M, BLOCK_K] rows of x, raw (1-byte
-    weights stay packed in registers until used); ok False loads nothing (past the split)."""
+    weights stay packed in registers until used) or, WIDEN, 1-byte weights converted to fp16
+    as loaded (exact for e4m3 and int8); ok False loads nothing (past the split)."""
     if EVEN_K:  # rows past N load nothing and are never stored
         w = tl.load(w_ptrs, mask=n_ok[:, None] & ok)
         x = tl.load(x_ptrs, mask=m_ok[:, None] & ok, other=0.0)
@@ -50,16 +65,21 @@ def _load_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr):
         k_ok = (cols < K)[None, :] & ok
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok)
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+    if WIDEN:
+        w = w.to(tl.float16)
     return w, x
 
 
 @triton.jit
-def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, stride_xm,
+def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, stride_xm,
           stride_wn, stride_om, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-          SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):  # fmt: skip
-    # SCALE_BK == 0: one scale per channel, s[N]; else one per (SCALE_BN, SCALE_BK) block,
-    # s[ceil(N / SCALE_BN), ceil(K / SCALE_BK)] (row stride stride_sn), BLOCK_K dividing SCALE_BK
+          HAS_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+          HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr):  # fmt: skip
+    # HAS_SCALE False: a plain (bf16 / fp16) weight, no scale (s_ptr unused). SCALE_BK == 0: one
+    # scale per channel, s[N]; else one per (SCALE_BN, SCALE_BK) block, s[ceil(N / SCALE_BN),
+    # ceil(K / SCALE_BK)] (row stride stride_sn), BLOCK_K dividing SCALE_BK. HAS_BIAS: + b[N]
+    # in fp32 before the one rounding to the output dtype (as cuBLAS's bias epilogue)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,19 +96,19 @@ def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, str
     # register double buffering: the next slice's loads are issued before this slice's math, so
     # each program keeps two tiles in flight (Triton's pipeliner leaves loads that feed no dot
     # alone: num_stages changes nothing here, seen in the SASS)
-    w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk, n_ok, m_ok, K, k_split > 0, EVEN_K)
+    w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk, n_ok, m_ok, K, k_split > 0, EVEN_K, WIDEN)
     for k0 in range(0, k_split, BLOCK_K):
         w, x = w_next, x_next
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk + k0 + BLOCK_K, n_ok, m_ok, K,
-                                     k0 + BLOCK_K < k_split, EVEN_K)  # fmt: skip
+                                     k0 + BLOCK_K < k_split, EVEN_K, WIDEN)  # fmt: skip
         wf = w.to(tl.float32)
-        if SCALE_BK > 0:  # a slice lies inside one block column: one scale per channel row
+        if HAS_SCALE and SCALE_BK > 0:  # a slice inside one block column: a scale per row
             kb = (pid_k * k_split + k0) // SCALE_BK
             s_blk = tl.load(s_ptr + (rn // SCALE_BN) * stride_sn + kb, mask=n_ok, other=0.0)
             wf = wf * s_blk[:, None]
-        if not EVEN_K:  # columns past K: zero weights (an unloaded byte may read as an fp8 NaN)
+        if not EVEN_K:  # columns past K: zero weights (an unloaded lane may read as a NaN)
             wf = tl.where((rk + k0 < K)[None, :], wf, 0.0)
         xf = x.to(tl.float32)
         if BLOCK_M == 1:
@@ -99,12 +119,16 @@ def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, str
         acc = tl.sum(acc1, axis=1)[None, :]  # [1, BLOCK_N]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     out_ok = m_ok[:, None] & n_ok[None, :]
-    if SCALE_BK > 0:
-        scale = 1.0  # applied per slice above
-    else:
+    if HAS_SCALE and SCALE_BK == 0:
         scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        scale = 1.0  # no scale, or block scales applied per slice above
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        bias = 0.0
     if SPLIT_K == 1:
-        tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=out_ok)
+        tl.store(out_ptrs, (acc * scale + bias).to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
         ws = ws_ptr + rm[:, None] * N + rn[None, :]  # split s at ws + s * BLOCK_M * N
         tl.store(ws + pid_k * BLOCK_M * N, acc, mask=out_ok)
@@ -114,7 +138,7 @@ def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, str
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):  # split order: the same sum whoever arrives last
                 total += tl.load(ws + s * BLOCK_M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, (total * scale).to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.store(out_ptrs, (total * scale + bias).to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 
@@ -138,19 +162,28 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config=None, block=None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    config=None,
+    block=None,
+    bias: torch.Tensor | None = None,
+    widen: bool | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (bf16 / fp16 / fp32, M <= MAX_ROWS) @ weight [N, K].T (e4m3 or int8) times
-    scale [N] -> [M, N] in x's dtype, fp32 accumulation. block (bn, bk): scale holds one fp32
-    value per (bn, bk) block of the weight, [ceil(N / bn), ceil(K / bk)] (fp8 checkpoints'
-    `weight_block_size`). config: (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) to override the table
-    (tools/bench_fp8_linear.py)."""
+    """x [M, K] (bf16 / fp16 / fp32, M <= MAX_ROWS) @ weight [N, K].T (row-major) times
+    scale [N] (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation. weight: e4m3 or int8 with
+    a scale, or a plain weight in x's dtype with scale None (the bf16 decode GEMV, ops/linear.py).
+    block (bn, bk): scale holds one fp32 value per (bn, bk) block of the weight, [ceil(N / bn),
+    ceil(K / bk)] (fp8 checkpoints' `weight_block_size`). config: (BLOCK_N, BLOCK_K, num_warps,
+    SPLIT_K) to override the table (the fp8 / int8 one, or the bf16 one when scale is None).
+    widen: carry 1-byte weight slices as fp16 (default WIDEN_1BYTE; ignored for 2-byte ones)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_m = block_rows(m)
-    block_n, block_k, warps, split = config or pick_config(m, n, k)
+    picked = pick_config if scale is not None else pick_bf16_config
+    block_n, block_k, warps, split = config or picked(m, n, k)
     scale_bn, scale_bk = block or (0, 0)
     if block is not None:
         block_n, block_k = block_slices(block_n, block_k, scale_bk)
@@ -162,9 +195,14 @@ def gemv(
         split, ws = 1, (x, x)  # unused by the unsplit kernel
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_split = k // split if split > 1 else k
-    _gemv[(num_blocks, split)](x, weight, scale, out, *ws, m, n, k, k_split, x.stride(0),
-                               weight.stride(0), out.stride(0), scale.stride(0), BLOCK_M=block_m,
+    _gemv[(num_blocks, split)](x, weight, x if scale is None else scale,
+                               x if bias is None else bias, out, *ws, m, n, k, k_split,
+                               x.stride(0), weight.stride(0), out.stride(0),
+                               0 if scale is None else scale.stride(0), BLOCK_M=block_m,
                                BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-                               EVEN_K=k_split % block_k == 0, SCALE_BN=scale_bn,
-                               SCALE_BK=scale_bk, num_warps=warps)  # fmt: skip
+                               EVEN_K=k_split % block_k == 0, HAS_SCALE=scale is not None,
+                               SCALE_BN=scale_bn, SCALE_BK=scale_bk, HAS_BIAS=bias is not None,
+                               WIDEN=weight.element_size() == 1
+                               and (WIDEN_1BYTE if widen is None else widen),
+                               num_warps=warps)  # fmt: skip
     return out
