@@ -5,7 +5,7 @@ import pytest
 import torch
 from engine_helpers import save_engine_checkpoint
 
-from ops.linear import MIN_PADDED_ROWS, _linear_eager_cuda
+from ops.linear import _linear_eager_cuda
 from torch_runner import Engine, SamplingParams
 from torch_runner.runner.warmup import prefill_lengths, row_buckets, warm_up_eager_shapes
 
@@ -27,7 +27,7 @@ def test_warmup_runs_every_row_count_the_eager_path_produces(limit, monkeypatch)
     needed = {_eager_rows(n, monkeypatch) for n in range(1, limit + 1)}
     assert needed <= {_eager_rows(m, monkeypatch) for m in row_buckets(limit)}
     prefills = {_eager_rows(n, monkeypatch) for n in prefill_lengths(limit)}
-    assert {m for m in needed if m > MIN_PADDED_ROWS} == prefills
+    assert {m for m in needed if m > 1} == prefills  # 1 row: decode, in the graphs
     assert all(n <= limit for n in prefill_lengths(limit))
 
 

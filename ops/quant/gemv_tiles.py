@@ -91,8 +91,21 @@ def fp8_takes_gemv(m: int, n: int, k: int, max_rows: int) -> bool:
 # (tools/bench_gemv.py, H200, 2026-12-02). Filled by `tools/bench_gemv.py --dtype bf16
 # --write-configs` (read at start-up through ENV_BF16_GEMV_CONFIGS, or committed here).
 BF16_MAX_ROWS = 1  # the many-row reduction made 2+ rows compute-bound for 1-byte weights
-# (BLOCK_M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT_K): not yet measured on this kernel
-BF16_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+# (BLOCK_M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT_K)
+# measured on an H200, 2026-12-03 (tools/bench_gemv.py --dtype bf16 --shapes llama-1b,llama-8b):
+# the best tile beat cuBLAS on every shape, 1.03-1.42x (docs/performance-log.md)
+BF16_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
+    (1, 3072, 2048): (4, 1024, 4, 1),
+    (1, 2048, 2048): (2, 1024, 4, 1),
+    (1, 16384, 2048): (2, 1024, 4, 1),
+    (1, 2048, 8192): (2, 1024, 4, 1),
+    (1, 128256, 2048): (2, 1024, 4, 1),
+    (1, 6144, 4096): (2, 1024, 4, 1),
+    (1, 4096, 4096): (8, 1024, 4, 1),
+    (1, 28672, 4096): (2, 1024, 4, 1),
+    (1, 4096, 14336): (8, 1024, 4, 1),
+    (1, 128256, 4096): (2, 2048, 8, 1),
+}
 BF16_CUBLAS_FASTER: set[tuple[int, int, int]] = set()  # measured shapes where cuBLAS won
 ENV_BF16_GEMV = "TORCH_RUNNER_BF16_GEMV"  # auto (default) | on | off
 ENV_BF16_GEMV_CONFIGS = "TORCH_RUNNER_BF16_GEMV_CONFIGS"  # a --write-configs JSON file

@@ -37,9 +37,10 @@ def row_buckets(limit: int) -> list[int]:
 
 
 def prefill_lengths(limit: int) -> list[int]:
-    """One prompt length per padded bucket above MIN_PADDED_ROWS (each bucket's largest length,
-    capped at `limit`): a forward over it runs every eager linear at that bucket's M."""
-    return [min(m, limit) for m in row_buckets(limit) if m > MIN_PADDED_ROWS]
+    """One prompt length per eager row count (each bucket's largest length, capped at `limit`):
+    a forward over it runs every eager linear at that M. The short ones are chunk tails (a
+    517-token prompt is 512 + 5: 1.22x a repeat on an H200 until 1..16 were warmed too)."""
+    return [min(m, limit) for m in row_buckets(limit) if m > 1]
 
 
 @torch.inference_mode()
