@@ -237,14 +237,26 @@ def test_seeded_graph_steps_sample_what_the_eager_sampler_samples(llama, kind):
             assert {h.width for h in heads if h is not None} == {64}
 
 
+def _greedy(i, m):
+    return SamplingParams(max_tokens=m, **GREEDY)
+
+
+MAKERS = {
+    **SEEDED,
+    "greedy": _greedy,
+    "mixed": lambda i, m: (_greedy, SEEDED["filtering"], SEEDED["plain"])[i % 3](i, m),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["filtering", "plain", "greedy"])
+@pytest.mark.parametrize("kind", ["filtering", "plain", "greedy", "mixed"])
 def test_cuda_graph_heads_sample_what_the_eager_sampler_samples(llama, kind):
     """On CUDA: the same graphs' hidden states sampled inside the graph or by the eager
-    sampler give the same tokens (seeded rows: the hash contract; greedy: the Triton pick)."""
+    sampler give the same tokens (seeded rows: the hash contract; greedy: the Triton pick;
+    mixed: greedy, seeded filtering and seeded plain rows in one batch, a per-row select)."""
     path, _ = llama
-    make = SEEDED.get(kind, lambda i, m: SamplingParams(max_tokens=m, **GREEDY))
+    make = MAKERS[kind]
     params = [make(i, m) for i, m in enumerate(MAX_TOKENS)]
     runs = []
     for inside in (False, True):

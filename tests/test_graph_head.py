@@ -159,18 +159,25 @@ PROMPTS = [[5, 6, 7], [100] * 11, [42], list(range(200, 219)), list(range(20, 51
 MAX_TOKENS = [24, 16, 20, 18, 28]
 
 
-def _unseeded_run(path, device="cpu", random_seed=0, overlap=False):
-    """Outputs of an unseeded temperature-1 batch, and the decode steps the eager sampler took
-    (chunk lists of one token each: pure decode) and the graph heads used."""
+def _engine(path, device="cpu", random_seed=0, overlap=False, static=True):
     engine = Engine(path, device=device, dtype="float32", max_total_tokens=1024, block_size=4,
                     chunked_prefill_size=16, max_num_seqs=8, random_seed=random_seed,
                     async_scheduling=overlap, cuda_graph_max_bs=8)  # fmt: skip
     r = engine.runner
-    if device == "cpu":  # the static decode, run eagerly (what a graph captures)
+    if device == "cpu" and static:  # the static decode, run eagerly (what a graph captures)
         r.decode_graphs = DecodeGraphs(r.model, r.pool, r.full_layers, len(r.args.layer_types),
                                        r.device, 8, capture=False, min_keys=8,
                                        generator=r.generator)  # fmt: skip
-    r.decode_graphs.min_keys = 8
+    if r.decode_graphs is not None:
+        r.decode_graphs.min_keys = 8
+    return engine
+
+
+def _unseeded_run(path, device="cpu", random_seed=0, overlap=False):
+    """Outputs of an unseeded temperature-1 batch, and the decode steps the eager sampler took
+    (chunk lists of one token each: pure decode) and the graph heads used."""
+    engine = _engine(path, device, random_seed, overlap)
+    r = engine.runner
     eager_decode, forward_logits = [], r.forward_logits
 
     def spy(chunks):
@@ -193,6 +200,24 @@ def test_an_unseeded_batch_samples_in_the_graph_and_its_seed_makes_the_run_repro
     assert eager == [] and unseeded and sum(heads[h] for h in unseeded) > 10, heads
     assert _unseeded_run(path, random_seed=3)[0] == outputs
     assert _unseeded_run(path, random_seed=4)[0] != outputs
+
+
+def test_greedy_and_seeded_rows_beside_unseeded_ones_decode_as_eager_steps_do(llama):
+    """CPU, the static decode run eagerly: one batch holding greedy, seeded and unseeded rows on
+    both random paths samples in one head; its greedy and seeded requests get the tokens of
+    the engine without the static decode (overlapped too)."""
+    path, _ = llama
+    params = [SP(max_tokens=m, ignore_eos=True, **kw) for m, kw in zip(MAX_TOKENS, [
+        dict(temperature=0.0), dict(temperature=0.9, top_p=0.8, top_k=40, seed=7),
+        dict(temperature=1.0), dict(temperature=1.3, seed=2), dict(temperature=1.0, top_k=5)])]  # fmt: skip
+    want = run_staggered(_engine(path, static=False), PROMPTS, params, arrive_at=(4, 9))
+    for overlap in (False, True):
+        engine = _engine(path, overlap=overlap)
+        got = run_staggered(engine, PROMPTS, params, arrive_at=(4, 9))
+        assert [got[i] for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
+        heads = engine.runner.decode_graphs.head_steps
+        assert any(h and h.kind == "plain+filtering" and h.has_greedy and h.seeding == "mixed"
+                   for h in heads), heads  # fmt: skip
 
 
 @pytest.mark.gpu
