@@ -256,7 +256,7 @@ def capture_graph(run, device, pool, generator: torch.Generator | None = None):
     if state is not None:
         generator.set_state(state)  # the warm-up's kernels took seed and offset by value
     graph = torch.cuda.CUDAGraph()
-    if generator is not None:  # torch >= 2.4 (later versions also register lazily)
+    if generator is not None:  # before capture_begin: torch sets up its per-capture state
         with torch.cuda.device(device):
             graph.register_generator_state(generator)
     # thread_local: the server steps on a background thread; other threads' CUDA calls
