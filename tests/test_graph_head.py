@@ -286,3 +286,36 @@ def test_cuda_captured_head_replays_draw_fresh_noise_from_the_distribution():
         graph.replay()
         again.append(out.clone())
     assert torch.equal(again[0], again[1])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kw", [dict(), dict(top_k=40, top_p=0.9)], ids=["plain", "filtering"])
+def test_cuda_overlapped_unseeded_decode_steps_never_sync_the_stream(llama, kw):
+    """Steady-state overlapped decode of unseeded rows: torch's sync debug mode sees no
+    blocking host-device call in a step, and every step samples in the graph."""
+    import warnings
+
+    path, _ = llama
+    engine = _engine(path, "cuda", overlap=True)
+    params = SP(temperature=1.0, ignore_eos=True, max_tokens=60, **kw)
+    for prompt in PROMPTS[:4]:
+        engine.add_request(None, prompt, params)
+    for _ in range(12):  # prefill, graph capture
+        engine.step()
+    steps = engine.runner.decode_graphs.head_steps
+    before = sum(n for h, n in steps.items() if h is not None and h.seeding == "unseeded")
+    eager, forward_logits = [], engine.runner.forward_logits
+    engine.runner.forward_logits = lambda chunks: eager.append(chunks) or forward_logits(chunks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(10):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    assert syncs == [], syncs[:3]
+    after = sum(n for h, n in steps.items() if h is not None and h.seeding == "unseeded")
+    assert eager == [] and after - before >= 10 and engine.is_overlapped
