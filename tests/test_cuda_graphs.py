@@ -13,8 +13,7 @@ from ops.sampling.batch import SamplingBatch
 from ops.sampling.sampler import sample
 from torch_runner import Engine, SamplingParams
 from torch_runner.runner.cuda_graphs import DecodeGraphs, batch_buckets, key_bucket
-from torch_runner.runner.graph_head import GraphHead, greedy_tokens
-from torch_runner.runner.model_runner import _is_graph_sampled
+from torch_runner.runner.graph_head import GraphHead, greedy_tokens, is_graph_sampled
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # contexts from 2 to ~60 tokens: with block size 4 and min_keys 8 the key width crosses the
@@ -34,7 +33,8 @@ def _engine(path, device="cpu", **kwargs):
 def _static(engine, max_bs=8, capture=False):
     r = engine.runner
     graphs = DecodeGraphs(r.model, r.pool, r.full_layers, len(r.args.layer_types), r.device,
-                          max_bs, capture=capture, min_keys=8)  # fmt: skip
+                          max_bs, capture=capture, min_keys=8,
+                          generator=r.generator)  # fmt: skip
     r.decode_graphs = graphs
     return graphs
 
@@ -150,7 +150,7 @@ def test_greedy_pick_kernel_equals_the_reference(shape):
         (dict(temperature=0.0, repetition_penalty=1.2), False, None),
         (dict(temperature=0.0, presence_penalty=0.5), False, None),
         (dict(temperature=0.0, min_tokens=2), False, None),
-        (dict(temperature=0.7), False, None),  # unseeded: the generator, eager
+        (dict(temperature=0.7), False, "plain"),  # unseeded: the generator, in the graph too
         (dict(temperature=0.7), True, "plain"),  # deterministic: seed 42
         (dict(temperature=0.7, seed=1), False, "plain"),
         (dict(temperature=0.7, top_p=0.9, seed=1), False, "filtering"),
@@ -160,13 +160,13 @@ def test_greedy_pick_kernel_equals_the_reference(shape):
     ],
 )
 def test_graph_sampled_rows_are_those_a_graph_head_takes(params, deterministic, head):
-    """_is_graph_sampled (decided before the forward, from the params) admits exactly the rows
+    """is_graph_sampled (decided before the forward, from the params) admits exactly the rows
     whose SamplingBatch gets a graph head."""
     p = SamplingParams(**params)
     batch = SamplingBatch.build([p, p], [[1, 2], [3]], [[4], []], 50, "cpu",
                                 deterministic=deterministic, eos_token_ids=[2])  # fmt: skip
     got = GraphHead.for_batch(batch, 50)
-    assert _is_graph_sampled(p, deterministic) == (got is not None)
+    assert is_graph_sampled(p) == (got is not None)
     assert (got and got.kind) == head
 
 
@@ -184,7 +184,8 @@ def _spy(graphs, record):
 
 def test_greedy_graph_steps_equal_the_eager_sampler_and_transformers(llama):
     """All-greedy decode steps pick inside the (eager on CPU) static forward; a batch with a
-    seeded sampled row takes the sampler. Tokens equal the engine without the static decode."""
+    seeded sampled row too (a head with greedy rows). Tokens equal the engine without the
+    static decode."""
     path, hf = llama
     seeded = [SamplingParams(max_tokens=m, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
               for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
@@ -202,8 +203,8 @@ def test_greedy_graph_steps_equal_the_eager_sampler_and_transformers(llama):
         if not mixed:
             for prompt, tokens, m in zip(PROMPTS, got, MAX_TOKENS):
                 assert tokens == hf_greedy(hf, prompt, m), prompt
-        else:
-            assert None in calls  # steps holding the sampled row took the sampler
+        else:  # steps holding the sampled row: greedy rows picked beside it
+            assert any(h is not None and h.has_greedy for h in calls), calls
 
 
 SEEDED = {
@@ -236,14 +237,26 @@ def test_seeded_graph_steps_sample_what_the_eager_sampler_samples(llama, kind):
             assert {h.width for h in heads if h is not None} == {64}
 
 
+def _greedy(i, m):
+    return SamplingParams(max_tokens=m, **GREEDY)
+
+
+MAKERS = {
+    **SEEDED,
+    "greedy": _greedy,
+    "mixed": lambda i, m: (_greedy, SEEDED["filtering"], SEEDED["plain"])[i % 3](i, m),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["filtering", "plain", "greedy"])
+@pytest.mark.parametrize("kind", ["filtering", "plain", "greedy", "mixed"])
 def test_cuda_graph_heads_sample_what_the_eager_sampler_samples(llama, kind):
     """On CUDA: the same graphs' hidden states sampled inside the graph or by the eager
-    sampler give the same tokens (seeded rows: the hash contract; greedy: the Triton pick)."""
+    sampler give the same tokens (seeded rows: the hash contract; greedy: the Triton pick;
+    mixed: greedy, seeded filtering and seeded plain rows in one batch, a per-row select)."""
     path, _ = llama
-    make = SEEDED.get(kind, lambda i, m: SamplingParams(max_tokens=m, **GREEDY))
+    make = MAKERS[kind]
     params = [make(i, m) for i, m in enumerate(MAX_TOKENS)]
     runs = []
     for inside in (False, True):

@@ -11,8 +11,11 @@ request got its first token to the first finish): with chunked prefill the early
 large batch are ahead, so `decode_tok_s` also times a shrinking batch at the end (and counts the
 tokens the early requests made before the clock started).
 
-`--sampling greedy,seeded` times each batch with greedy requests and with seeded top-k/top-p
-requests (temperature 0.8, top_p 0.95, top_k 50, seed = request index) on one engine.
+`--sampling greedy,seeded,random` times each batch with greedy requests, with seeded top-k/top-p
+requests (temperature 0.8, top_p 0.95, top_k 50, seed = request index) and with the same unseeded
+on one engine. `head_in_graph` is the fraction of the timed graph decode steps whose lm_head and
+sampler ran inside the graph (None: no graphs, or a checkout without the count), `graph_heads`
+their kinds (path/seeding).
 
 `--quantization int8|int4|fp8` quantizes the random bf16 weights at load (models/quantize.py);
 the roofline then counts the packed bytes, and each row reports peak GPU memory (weights after
@@ -40,6 +43,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -98,7 +102,7 @@ def write_checkpoint(name: str, directory: Path) -> str:
 SAMPLING = {  # --sampling: what every request of a decode run asks for
     "greedy": dict(temperature=0.0),
     "seeded": dict(temperature=0.8, top_p=0.95, top_k=50),  # + a seed per request
-    "random": dict(temperature=0.8, top_p=0.95, top_k=50),  # unseeded: the plain sampler
+    "random": dict(temperature=0.8, top_p=0.95, top_k=50),  # unseeded: the generator's noise
 }
 
 
@@ -354,12 +358,20 @@ def main() -> None:
         for mode in modes:  # graph capture, allocator, autotune
             engine.is_overlapped = mode
             decode_run(engine, prompts, args.warmup_gen or args.gen_len, sampling)
+        # per head, the graph decode steps run (None: eager head); absent in older checkouts
+        head_steps = getattr(getattr(engine.runner, "decode_graphs", None), "head_steps", None)
+        before = Counter(head_steps or {})
         for _ in range(args.repeats):
             for mode in modes:
                 engine.is_overlapped = mode
                 total, full = decode_run(engine, prompts, args.gen_len, sampling)
                 runs[mode].append(total)
                 steady[mode].append(full)
+        # graph decode steps of the timed runs whose lm_head + sampler ran inside the graph
+        heads = Counter(head_steps or {}) - before
+        in_graph = sum(n for h, n in heads.items() if h is not None)
+        head_in_graph = round(in_graph / sum(heads.values()), 3) if heads else None  # a fraction
+        graph_heads = sorted({f"{h.kind}/{h.seeding}" for h in heads if h is not None})
         context = args.prompt_len + args.gen_len / 2
         top = roofline(engine, batch, context, args.bandwidth)
         medians = {mode: statistics.median(r) for mode, r in runs.items()}
@@ -376,7 +388,8 @@ def main() -> None:
                                   steady_tok_s=round(statistics.median(steady[mode]), 1),
                                   steady_runs=[round(r, 1) for r in steady[mode]],
                                   roofline_tok_s=round(top, 1), roofline_frac=round(tok_s / top, 3),
-                                  graphs=graphs, load_s=round(load_s, 1),
+                                  graphs=graphs, head_in_graph=head_in_graph,
+                                  graph_heads=graph_heads, load_s=round(load_s, 1),
                                   quantization=args.quantization,
                                   fp8_weight_only_rows=args.fp8_weight_only_rows,
                                   gemv_configs=args.gemv_configs or None,

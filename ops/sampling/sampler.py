@@ -31,7 +31,14 @@ from ops.sampling.batch import MAX_BOUNDED_TOP_K, RowGroup, SamplingBatch
 from ops.sampling.plain import draw_plain
 from ops.sampling.seeded_hash import murmur_hash32, neg_gumbel_, seeded_neg_gumbel
 
-__all__ = ["SampleOutput", "SamplingBatch", "murmur_hash32", "sample"]
+__all__ = [
+    "SampleOutput",
+    "SamplingBatch",
+    "draw_tokens",
+    "murmur_hash32",
+    "process_logits",
+    "sample",
+]
 
 _FLOAT_MAX = torch.finfo(torch.float32).max
 CPU_TIER_WIDTHS = (64, MAX_BOUNDED_TOP_K)  # candidate widths tried before the full sort (CPU)
@@ -57,11 +64,21 @@ def sample(
     """
     check_shapes(logits, batch, positions)
     scaled = process_logits(logits, batch)  # [B, V] fp32, finite or -inf
-    if batch.greedy is not None and batch.greedy.rows is None:
-        token_ids = _argmax(scaled)  # greedy fast path
-    else:
-        token_ids = _sample_groups(scaled, batch, positions, generator)
+    token_ids = draw_tokens(scaled, batch, positions, generator)
     return _with_logprobs(scaled, token_ids, batch)
+
+
+def draw_tokens(
+    scaled: torch.Tensor,
+    batch: SamplingBatch,
+    positions: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Token ids [B] from `process_logits(logits, batch)`: `sample` without the logprobs (a
+    CUDA graph's head calls it once per path its rows take, runner/graph_head.py)."""
+    if batch.greedy is not None and batch.greedy.rows is None:
+        return _argmax(scaled)  # greedy fast path
+    return _sample_groups(scaled, batch, positions, generator)
 
 
 def check_shapes(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> None:

@@ -15,9 +15,11 @@ launch, but only for fixed shapes and fixed buffer addresses. So a pure-decode g
 - all inputs live in one int64 buffer per graph, [B, 4 + S / block_size] =
   (token id, position, kv_len, write slot, block table...), filled by one host-to-device copy.
 
-A step whose sampling allows it (all rows greedy, or all on one seeded random path; model_runner
-decides, graph_head.py says which) replays a graph that also runs the lm_head and the sampler: no
-logits leave the graph and the step is one launch.
+A step whose sampling allows it (no logprobs, logit edits or penalties; model_runner decides,
+graph_head.py says which head) replays a graph that also runs the lm_head and the sampler: no
+logits leave the graph and the step is one launch. Unseeded rows draw from the runner's
+generator, registered with every graph that draws from it: a replay reads its current offset
+and advances it (torch's graph-safe generator state), so no two replays share noise.
 
 `static_decode` is that forward as a plain function: on CPU the tests run it eagerly and
 compare it with the eager path; on CUDA `DecodeGraphs` captures it once per (batch bucket,
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -101,11 +104,11 @@ def static_decode(model, pool: PagedKVPool, full_layers, num_layers: int, inputs
 
 
 def static_head(model, pool, full_layers, num_layers: int, inputs, num_keys: int,
-                head: GraphHead, head_inputs: HeadInputs | None):  # fmt: skip
+                head: GraphHead, head_inputs: HeadInputs | None, generator=None):  # fmt: skip
     """`static_decode`, then the lm_head and the sampler of `head` (graph_head.py): returns
-    (token ids, picks) [B]."""
+    (token ids, picks) [B]. `generator`: the unseeded rows' noise."""
     hidden = static_decode(model, pool, full_layers, num_layers, inputs, num_keys)
-    return run_head(model, hidden, head, inputs[:, 1], head_inputs)
+    return run_head(model, hidden, head, inputs[:, 1], head_inputs, generator)
 
 
 def fill_inputs(group, block_size: int, num_rows: int, num_keys: int, scratch_slot: int,
@@ -144,17 +147,20 @@ class DecodeGraphs:
     """Static-shape decode for pure-decode groups; CUDA graphs per bucket when `capture`."""
 
     def __init__(self, model, pool: PagedKVPool, full_layers, num_layers: int, device,
-                 max_bs: int, *, capture: bool = True, min_keys: int = MIN_KEYS):  # fmt: skip
+                 max_bs: int, *, capture: bool = True, min_keys: int = MIN_KEYS,
+                 generator: torch.Generator | None = None):  # fmt: skip
         self.model, self.pool, self.device = model, pool, torch.device(device)
+        self.generator = generator  # unseeded rows' noise (None: the device's default)
         self.full_layers, self.num_layers = tuple(full_layers), num_layers
         self.buckets = batch_buckets(max_bs)
         self.max_bs, self.capture, self.min_keys = max_bs, capture, min_keys
         # (B, S, head) -> (graph, inputs, head inputs, hidden or (token ids, picks))
         self.graphs: dict[tuple, tuple] = {}
         self.mempool = None
+        self.head_steps: Counter = Counter()  # head (None: eager sampling) -> steps run
 
     @classmethod
-    def for_runner(cls, model, layout, pool, config, device) -> DecodeGraphs | None:
+    def for_runner(cls, model, layout, pool, config, device, generator=None) -> DecodeGraphs | None:
         """Graphs on CUDA unless `enforce_eager` or the model cannot be captured."""
         if torch.device(device).type != "cuda" or config.enforce_eager:
             return None
@@ -163,7 +169,8 @@ class DecodeGraphs:
                         "with host syncs run eagerly")  # fmt: skip
             return None
         num_layers = len(layout.layer_types)
-        return cls(model, pool, layout.full_layers, num_layers, device, config.cuda_graph_max_bs)
+        return cls(model, pool, layout.full_layers, num_layers, device, config.cuda_graph_max_bs,
+                   generator=generator)  # fmt: skip
 
     def can_run(self, group) -> bool:
         return len(group) <= self.max_bs and all(c.num_tokens == 1 for c in group)
@@ -175,6 +182,7 @@ class DecodeGraphs:
         `head` (and the step's SamplingBatch `batch` unless greedy): the graph also samples
         and returns (token ids, picks) [len(group)] instead (graph_head.py)."""
         b = len(group)
+        self.head_steps[head] += 1
         rows = next(x for x in self.buckets if x >= b)
         num_keys = key_bucket(max(c.start for c in group) + 1, self.pool.block_size, self.min_keys)
         host = fill_inputs(group, self.pool.block_size, rows, num_keys, self.pool.scratch_slot,
@@ -209,7 +217,7 @@ class DecodeGraphs:
         args = (self.model, self.pool, self.full_layers, self.num_layers, inputs, num_keys)
         if head is None:
             return static_decode(*args)
-        return static_head(*args, head, head_inputs)
+        return static_head(*args, head, head_inputs, self.generator)
 
     def _capture(self, rows: int, num_keys: int, head: GraphHead | None):
         t0 = time.perf_counter()
@@ -217,24 +225,46 @@ class DecodeGraphs:
                              dtype=torch.int64, device=self.device)  # fmt: skip
         inputs[:, 3] = self.pool.scratch_slot  # all rows padding: warm-up writes nothing real
         head_inputs = self._head_inputs(head, rows)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, allocator
-            self._run(inputs, num_keys, head, head_inputs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        generator = None  # the one the head draws from, if it draws
+        if head is not None and head.draws_noise:
+            generator = self.generator
+            if generator is None:
+                generator = torch.cuda.default_generators[self.device.index or 0]
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the server steps on a background thread; other threads' CUDA calls
-        # during a capture must not invalidate it
-        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-            out = self._run(inputs, num_keys, head, head_inputs)
-        torch.cuda.synchronize(self.device)
+        graph, out = capture_graph(lambda: self._run(inputs, num_keys, head, head_inputs),
+                                   self.device, self.mempool, generator)  # fmt: skip
         key = (rows, num_keys, head)
         self.graphs[key] = (graph, inputs, head_inputs, out)
         logger.info("captured decode graph B=%d S=%d head=%s in %.1f ms (%d graphs)", rows,
                     num_keys, head, (time.perf_counter() - t0) * 1e3, len(self.graphs))  # fmt: skip
         return self.graphs[key]
+
+
+def capture_graph(run, device, pool, generator: torch.Generator | None = None):
+    """(graph, out) of `run()` captured on `device` into memory pool `pool`, after one warm-up
+    run on a side stream (lazy inits, allocator). `generator`: the one `run` draws noise from;
+    registered with the graph, so every replay reads its current offset and advances it by
+    the graph's draws (no two replays share noise); the warm-up's draws are undone, so a
+    capture does not shift later steps' noise."""
+    state = None if generator is None else generator.get_state()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    if state is not None:
+        generator.set_state(state)  # the warm-up's kernels took seed and offset by value
+    graph = torch.cuda.CUDAGraph()
+    if generator is not None:  # before capture_begin: torch sets up its per-capture state
+        with torch.cuda.device(device):
+            graph.register_generator_state(generator)
+    # thread_local: the server steps on a background thread; other threads' CUDA calls
+    # during a capture must not invalidate it
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = run()
+    torch.cuda.synchronize(device)
+    return graph, out
 
 
 def _rows(out, b: int):

@@ -30,7 +30,7 @@ from torch_runner.kv.windows import payload_source, restore_windows
 from torch_runner.runner.cpu_compiled import CompiledDecoder
 from torch_runner.runner.cpu_decode import FlatDecoder, supports_fast_decode
 from torch_runner.runner.cuda_graphs import DecodeGraphs
-from torch_runner.runner.graph_head import GraphHead
+from torch_runner.runner.graph_head import GraphHead, is_graph_sampled
 from torch_runner.runner.launched import (
     NON_FINITE_TOKEN,
     LaunchedStep,
@@ -140,12 +140,15 @@ class ModelRunner:
         )
         self._pool_index = {layer: i for i, layer in enumerate(self.full_layers)}
         self.swa_caches: dict[str, list[WindowedKVCache]] = {}
+        # the unseeded rows' noise, eager and in graphs (registered with the graphs that draw)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(config.random_seed)
         # pure-decode groups replay a CUDA graph (None: eager; see cuda_graphs.py)
         # (both off under tensor parallel: the all-reduces are module hooks they would skip)
         self.decode_graphs = None
         if tensor_parallel is None:
             self.decode_graphs = DecodeGraphs.for_runner(
-                self.model, self.layout, self.pool, config, device
+                self.model, self.layout, self.pool, config, device, self.generator
             )
         # CPU decode steps skip module dispatch (cpu_decode.py); the same ops and values
         self.fast_decode = None
@@ -166,8 +169,6 @@ class ModelRunner:
                 )
         # decode steps whose sampling allows it sample inside the graph (False: always eager)
         self.graph_sampling = True
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(config.random_seed)
         # the last launched step's sampled tokens [M] (on the device) and each request's row:
         # what a chained chunk's placeholder input reads (launched.py)
         self._future: tuple[torch.Tensor, dict[str, int]] | None = None
@@ -345,15 +346,13 @@ class ModelRunner:
         return LaunchedStep(seqs, token_ids, out.logprobs, out.top_logprobs)
 
     def _launch_graph_step(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
-        """A pure-decode step whose sampling a graph can run (graph_head.py: all rows greedy, or
-        all on one seeded random path; no logprobs, logit edits, penalties or grammar): the
-        decode graph also runs the lm_head and the sampler, so the step is one replay. None:
-        not such a step (the eager sampler takes it)."""
+        """A pure-decode step whose sampling a graph can run (graph_head.py: no logprobs, logit
+        edits, penalties or grammar): the decode graph also runs the lm_head and the sampler, so
+        the step is one replay. None: not such a step (the eager sampler takes it)."""
         graphs = self.decode_graphs
         if graphs is None or not self.graph_sampling or not graphs.can_run(chunks):
             return None
-        if not all(c.is_sampled and _is_graph_sampled(c.seq.params, self.deterministic)
-                   for c in chunks):  # fmt: skip
+        if not all(c.is_sampled and is_graph_sampled(c.seq.params) for c in chunks):
             return None
         seqs = [c.seq for c in chunks]
         batch = None
@@ -365,27 +364,13 @@ class ModelRunner:
                 deterministic=self.deterministic, eos_token_ids=self.eos_token_ids,
             )  # fmt: skip
             head = GraphHead.for_batch(batch, self.vocab_size)
-            if head is None:  # rows on different paths
+            if head is None:  # is_graph_sampled and for_batch disagree: the eager sampler
                 return None
         tokens = [self._input_tokens(c)[0] for c in chunks]
         future = self._future[0] if any(_is_chained(c) for c in chunks) else None
         token_ids, picks = graphs.forward(chunks, tokens, future, head, batch)
         self._future = (picks, {s.request_id: i for i, s in enumerate(seqs)})
         return LaunchedStep(seqs, token_ids)
-
-
-def _is_graph_sampled(params, deterministic: bool) -> bool:
-    """Rows a graph head can sample (graph_head.py): greedy, or seeded (a request seed, or the
-    engine's deterministic mode), with nothing the sampler must read per step from the host:
-    no logprobs, logit_bias, penalties, min_tokens (its EOS ban is a logit edit) or grammar."""
-    return (
-        (params.is_greedy or params.seed is not None or deterministic)
-        and not params.logprobs
-        and not params.logit_bias
-        and not params.has_penalties
-        and not params.min_tokens
-        and params.structured is None
-    )
 
 
 def _is_chained(chunk) -> bool:
