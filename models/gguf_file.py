@@ -143,8 +143,9 @@ def read_rows(fd: int, info: TensorInfo, start: int = 0, stop: int | None = None
     """Rows [start, stop) of a matrix (all of a vector), as stored: [rows, columns] of F32 /
     F16 / BF16 (BF16 as int16 bit patterns), else [rows, row_bytes] uint8 blocks. A fresh buffer
     read with pread: the file's pages never count in this process's resident memory."""
-    if len(info.shape) == 1:
-        start, stop, shape = 0, 1, info.shape  # a vector: one row
+    if len(info.shape) == 1:  # a vector: one row
+        start, stop = 0, 1
+        shape = info.shape if info.type_name in ROW_DTYPES else (info.row_bytes,)
     else:
         stop = info.num_rows if stop is None else stop
         shape = (stop - start, info.shape[-1] if info.type_name in ROW_DTYPES else info.row_bytes)

@@ -295,7 +295,7 @@ def load_gguf_model(file: Path, *, device, dtype: str, quantization: str, shard=
         loader.check_quantization_runs(mode, torch_device, target_dtype)
         sources = {k: tuple(a.to(torch_device) for a in v) for k, v in sources.items()}
         quantize_linears(
-            model, mode, int4_sources=sources if mode == "int4" else None,
+            model, mode, int4_sources=sources,  # a Q4 lm_head beside int8 linears too
             head_mode=head_mode if quantization == "auto" else None, shard=shard,
         )  # fmt: skip
     del sources  # emptied by quantize_linears as it packed them
