@@ -175,3 +175,19 @@ def test_quantize_rows_equals_quantizing_the_whole_matrix(monkeypatch):
     )
     assert torch.equal(tiled.packed, whole.packed)
     assert torch.equal(tiled.scales_and_zeros, whole.scales_and_zeros)
+
+
+@torch.no_grad()
+def test_a_q4_lm_head_beside_q8_0_linears_is_packed_from_its_file_codes(tmp_path, exact_fp32):
+    from test_ops_quant_int import fake_quantize
+
+    path = write_tiny_gguf(tmp_path / "head.gguf", "Q8_0", types={"lm_head.weight": "Q4_0"})
+    ours = models.load_model(path, device="cpu", dtype="float32")
+    assert ours.model.lm_head.weight.is_quantized and hasattr(ours.model.lm_head.weight, "packed")
+    hf = _hf_reference(path)  # the head: the file's Q4_0 values exactly; linears: int8 per row
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name:
+            module.weight.copy_(fake_quantize(module.weight, "int8"))
+    ids = torch.randint(3, VOCAB_SIZE, (1, 16), generator=torch.Generator().manual_seed(8))
+    got = ours.model.compute_logits(ours.model(ids, torch.arange(16)[None], None))
+    torch.testing.assert_close(got, hf(ids).logits, rtol=1e-4, atol=1e-4)

@@ -92,7 +92,7 @@ def write_tiny_gguf(
             arr = _permute(arr, cfg.num_key_value_heads)
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         kind = (types or {}).get(name, linear_type)
-        if name.endswith("proj.weight") and kind != "F32":
+        if (name.endswith("proj.weight") or name in (types or {})) and kind != "F32":
             qtype = getattr(gguf.GGMLQuantizationType, kind)
             data = q4_k_bytes(arr) if kind == "Q4_K" else gguf.quants.quantize(arr, qtype)
             writer.add_tensor(gguf_name, data, raw_dtype=qtype)
