@@ -191,3 +191,22 @@ def test_a_q4_lm_head_beside_q8_0_linears_is_packed_from_its_file_codes(tmp_path
     ids = torch.randint(3, VOCAB_SIZE, (1, 16), generator=torch.Generator().manual_seed(8))
     got = ours.model.compute_logits(ours.model(ids, torch.arange(16)[None], None))
     torch.testing.assert_close(got, hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+@torch.no_grad()
+def test_cuda_packs_the_same_codes_as_cpu(tmp_path, kind):
+    """On CUDA the codes go to the device before packing (its own int4 layout): the bf16 logits
+    equal the CPU load's of the same file, up to the two kernels' bf16 rounding."""
+    path = write_tiny_gguf(tmp_path / f"tiny-{kind}.gguf", kind, **K_QUANT)
+    ids = torch.randint(3, VOCAB_SIZE, (1, 16), generator=torch.Generator().manual_seed(9))
+    logits = []
+    for device in ("cpu", "cuda"):
+        ours = models.load_model(path, device=device, dtype="bfloat16")
+        assert ours.model.model.layers[0].self_attn.qkv_weight.is_quantized
+        x, pos = ids.to(device), torch.arange(16, device=device)[None]
+        logits.append(ours.model.compute_logits(ours.model(x, pos, None)).float().cpu())
+    scale = logits[0].abs().max().item()
+    torch.testing.assert_close(logits[1], logits[0], rtol=2e-2, atol=2e-2 * scale)
