@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # auto: the checkpoint's own (loader)
 INT4_GROUP_SIZE = 32  # llama.cpp's Q4_0 / Q4_1 block size
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one matmul each
-TILE_BYTES = 8 << 20  # fp32 bytes of weight rows quantized at a time (`quantize_rows`)
+TILE_BYTES = 2 << 20  # fp32 bytes of weight rows quantized at a time (`quantize_rows`)
 # an fp32 model's quantized linears compute in bf16 on a bf16 CPU (ops/quant/int_linear.py says
 # why); TORCH_RUNNER_EXACT_FP32_QUANT=1 keeps them in fp32 (slow, exact: read at import, so
 # tensor-parallel ranks inherit it; tests of the exact fp32 kernels set it)
