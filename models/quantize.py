@@ -79,9 +79,9 @@ def quantize_linears(
         names = [f"{name}.{p}.weight" for p in parts] or [f"{name}.weight"]
         if mode == "int4" and all(n in int4_sources for n in names):
             count += 1
-            parts = [int4_sources.pop(n) for n in names]  # freed as packed
-            codes, scales, zeros = (torch.cat(a) for a in zip(*parts))
-            del parts
+            found = [int4_sources.pop(n) for n in names]  # freed once packed
+            codes, scales, zeros = (torch.cat(a) for a in zip(*found))
+            del found
             return pack_int4(codes, scales, zeros, INT4_GROUP_SIZE, weight.dtype)
         if mode == "int4":
             try:
