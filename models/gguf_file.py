@@ -20,6 +20,7 @@ import torch
 
 from models.errors import ModelLoadError
 from models.safetensors_io import pad_along
+from ops.quant.int_linear import quantize_int8
 
 # GGUF metadata value types -> struct format (8: string, 9: array are read apart)
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # fmt: skip
@@ -237,12 +238,29 @@ def _decode(raw: np.ndarray, t: TensorInfo) -> torch.Tensor:
         ) from exc
 
 
+def dense_tiles(fd: int, t: TensorInfo, spec):
+    """(first row, values [rows, columns] fp32 or as stored) of a matrix for this rank, decoded
+    TILE_BYTES of fp32 at a time (every GGUF type decodes row by row, so tiles change nothing)."""
+    first, stop, _ = rank_rows(t, spec)
+    step = max(1, TILE_BYTES // (4 * t.shape[-1]))
+    for row in range(first, stop, step):
+        end = min(row + step, stop)
+        raw, later = cut_columns(read_rows(fd, t, row, end), t, spec)
+        values = _decode(raw, t)
+        del raw
+        yield row - first, values if later is None else values[:, later[0] : later[0] + later[1]]
+
+
+def _rank_shape(shape, spec) -> tuple[int, ...]:
+    if spec is None:
+        return tuple(shape)
+    dim, _, length, pad = spec
+    return (*shape[:dim], length + pad, *shape[dim + 1 :])
+
+
 def read_dense(fd: int, t: TensorInfo, shape, spec, heads, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor's values in `dtype` for this rank, decoded TILE_BYTES of fp32 at a time straight
-    into the result (every GGUF type decodes row by row, so tiles give the same values)."""
-    if spec is not None:
-        dim, _, length, pad = spec
-        shape = (*shape[:dim], length + pad, *shape[dim + 1 :])
+    """A tensor's values in `dtype` for this rank, decoded a tile at a time into the result."""
+    shape = _rank_shape(shape, spec)
     if len(t.shape) == 1:  # a norm or bias vector: small, decoded whole
         out = _decode(read_rows(fd, t), t)
         if spec is not None:
@@ -253,17 +271,29 @@ def read_dense(fd: int, t: TensorInfo, shape, spec, heads, dtype: torch.dtype) -
         cols = spec[2] if spec is not None and spec[0] == 1 else t.shape[-1]
         out = torch.empty(stop - first + pad, cols, dtype=dtype)
         out[stop - first :].zero_()
-        step = max(1, TILE_BYTES // (4 * t.shape[-1]))
-        for row in range(first, stop, step):
-            end = min(row + step, stop)
-            raw, later = cut_columns(read_rows(fd, t, row, end), t, spec)
-            values = _decode(raw, t)
-            if later is not None:
-                values = values[:, later[0] : later[0] + later[1]]
-            out[row - first : end - first].copy_(values)
-            del raw, values
+        for row, values in dense_tiles(fd, t, spec):
+            out[row : row + len(values)].copy_(values)
     if heads:
         out = llama_unpermute(out, heads).contiguous()
     if out.numel() != int(np.prod(shape)):
         raise ModelLoadError(f"tensor {t.name!r} has shape {t.shape}; expected {tuple(shape)}")
     return out.reshape(shape)
+
+
+def read_int8(fd: int, t: TensorInfo, shape, heads, dtype: torch.dtype):
+    """A whole matrix as per-row int8 (qweight [N, K] int8, scales [N] in `dtype`), each tile
+    quantized from its values in `dtype` as it is decoded: the same codes and scales as
+    `quantize_int8` of the dense tensor (per row), without the dense tensor."""
+    if len(t.shape) != 2 or t.shape != tuple(shape):
+        raise ModelLoadError(f"tensor {t.name!r} has shape {t.shape}; expected {tuple(shape)}")
+    qweight = torch.empty(shape, dtype=torch.int8)
+    scales = torch.empty(shape[0], dtype=dtype)
+    for row, values in dense_tiles(fd, t, None):
+        part = quantize_int8(values.to(dtype))
+        qweight[row : row + len(values)], scales[row : row + len(values)] = (
+            part.qweight,
+            part.scales,
+        )
+    if heads:  # a row permutation: it commutes with per-row quantization
+        qweight, scales = (llama_unpermute(a, heads).contiguous() for a in (qweight, scales))
+    return qweight, scales

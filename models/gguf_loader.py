@@ -35,6 +35,7 @@ from models.gguf_file import (
     rank_rows,
     read_dense,
     read_header,
+    read_int8,
     read_rows,
 )
 from models.quantize import FUSED_GROUPS, INT4_GROUP_SIZE
@@ -117,14 +118,24 @@ def _read_int4(fd: int, t: TensorInfo, spec, heads, name: str, file: Path):
 
 
 def read_weights(
-    file: Path, expected: dict, hf_config, dtype: torch.dtype, quantization: str, slices=None
+    file: Path,
+    expected: dict,
+    hf_config,
+    dtype: torch.dtype,
+    quantization: str,
+    slices=None,
+    int8_into: dict | None = None,
 ):
     """(dense state dict in `dtype`, int4 sources {name: (codes, scales, zeros)}, chosen mode,
     the head's mode). A decoder linear or lm_head stored as Q4 (with quantization auto / int4)
     is read as int4 codes only and has no entry in the dense state dict.
 
     slices: name -> (dim, start, length, pad), a tensor-parallel rank's part of each tensor
-    (torch_runner/distributed/shard.py): only those rows / blocks are read and decoded."""
+    (torch_runner/distributed/shard.py): only those rows / blocks are read and decoded.
+    int8_into: a dict that, when given (an unsharded load), receives every linear the int8 mode
+    will quantize, quantized per row as read (name -> (qweight, scales), `read_int8`), with no
+    entry in the dense state dict either. Sharded int8 needs the ranks' whole-row maxima, so
+    a sharded load reads those dense (quantize_linears quantizes them)."""
     import gguf
 
     from models.quantize import return_freed_memory
@@ -139,6 +150,8 @@ def read_weights(
         getattr(gguf.MODEL_ARCH, ARCHITECTURES[arch]), hf_config.num_hidden_layers
     )
     tensors = header.tensors
+    mode, head_mode = _modes(tensors, name_map, expected, quantization)
+    head = head_mode if quantization == "auto" and mode != "none" else mode  # as packed
     weights, sources, types, warned = {}, {}, set(), set()
     with open(file, "rb") as f:
         for name, shape in expected.items():
@@ -163,6 +176,11 @@ def read_weights(
             if t.type_name in INT4_TYPES and quantization in ("auto", "int4") and is_linear:
                 sources[name] = _read_int4(f.fileno(), t, spec, heads, name, file)
                 continue
+            linear_mode = head if name == "lm_head.weight" else mode
+            if int8_into is not None and is_linear and linear_mode == "int8" and slices is None:
+                int8_into[name] = read_int8(f.fileno(), t, shape, heads, dtype)
+                return_freed_memory()
+                continue
             if (
                 t.type_name not in INT8_TYPES + INT4_TYPES + AS_IS_TYPES
                 and t.type_name not in warned
@@ -178,10 +196,20 @@ def read_weights(
             except ModelLoadError as exc:
                 raise ModelLoadError(f"{file}: {exc}") from exc
             return_freed_memory()  # the decode tiles; glibc keeps them otherwise
+    logger.info(
+        "GGUF %s (%s): tensor types %s -> quantization=%s", file.name, arch, sorted(types), mode
+    )
+    return weights, sources, mode, head_mode
+
+
+def _modes(tensors: dict, name_map, expected: dict, quantization: str) -> tuple[str, str]:
+    """(the linears' mode, the lm_head's own mode) from the file's tensor types: auto is int4
+    when any linear is Q4, else int8 when any is Q8_0, else none; the head follows its type."""
+    mode = quantization
     if quantization == "auto":
         linear_types = {tensors[name_map.get_name(n, try_suffixes=(".weight",))].type_name
                         for n in expected if n.endswith("proj.weight")}  # fmt: skip
-        quantization = (
+        mode = (
             "int4"
             if linear_types & set(INT4_TYPES)
             else "int8"
@@ -191,14 +219,7 @@ def read_weights(
     head_name = name_map.get_name("lm_head.weight", try_suffixes=(".weight",))
     head_type = tensors.get(head_name, tensors["token_embd.weight"]).type_name
     head_mode = "int4" if head_type in INT4_TYPES else "int8" if head_type in INT8_TYPES else "none"
-    logger.info(
-        "GGUF %s (%s): tensor types %s -> quantization=%s",
-        file.name,
-        arch,
-        sorted(types),
-        quantization,
-    )
-    return weights, sources, quantization, head_mode
+    return mode, head_mode
 
 
 def _densify_unpacked(sources: dict, weights: dict, dtype: torch.dtype, mode: str, head: str):
@@ -271,13 +292,14 @@ def load_gguf_model(file: Path, *, device, dtype: str, quantization: str, shard=
     if shard is not None:
         shard.prepare(model)
         slices = {name: cut.spec for name, cut in shard.slices.items() if hasattr(cut, "spec")}
+    int8_sources = {} if shard is None else None  # sharded int8: quantize_linears (docstring)
     weights, sources, mode, head_mode = read_weights(
-        file, expected, hf_config, target_dtype, quantization, slices
+        file, expected, hf_config, target_dtype, quantization, slices, int8_sources
     )
     head = head_mode if quantization == "auto" and mode != "none" else mode
     _densify_unpacked(sources, weights, target_dtype, mode, head)
-    for name, (codes, _, _) in sources.items():  # packed from `sources`: never dense
-        weights[name] = torch.empty(codes.shape, dtype=target_dtype, device="meta")
+    for name, (codes, *_) in [*sources.items(), *(int8_sources or {}).items()]:
+        weights[name] = torch.empty(codes.shape, dtype=target_dtype, device="meta")  # never dense
     if shard is not None:
         shard.presliced.update(slices)
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -293,12 +315,16 @@ def load_gguf_model(file: Path, *, device, dtype: str, quantization: str, shard=
     return_freed_memory()
     if mode != "none":
         loader.check_quantization_runs(mode, torch_device, target_dtype)
-        sources = {k: tuple(a.to(torch_device) for a in v) for k, v in sources.items()}
+        sources, int8_sources = (
+            {k: tuple(a.to(torch_device) for a in v) for k, v in d.items()}
+            for d in (sources, int8_sources or {})
+        )
         quantize_linears(
             model, mode, int4_sources=sources,  # a Q4 lm_head beside int8 linears too
             head_mode=head_mode if quantization == "auto" else None, shard=shard,
+            int8_sources=int8_sources,
         )  # fmt: skip
-    del sources  # emptied by quantize_linears as it packed them
+    del sources, int8_sources  # emptied by quantize_linears as it packed them
     return_freed_memory()
     logger.info(
         "loaded %s from %s on %s as %s (%s)",

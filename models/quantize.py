@@ -48,12 +48,15 @@ def quantize_linears(
     int4_sources: dict | None = None,
     head_mode: str | None = None,
     shard=None,
+    int8_sources: dict | None = None,
 ) -> int:
     """Quantize the model's linears in place; returns how many weights were replaced.
 
     int4_sources: HF weight name -> (codes [N, K], scales, zeros [N, K/32]) already in int4 form
     (a GGUF's Q4 blocks); those are packed as they are, fused rows concatenated, not re-derived,
     and popped from the dict as they are packed (their weights may be meta placeholders).
+    int8_sources: HF weight name -> (qweight [N, K] int8, scales [N]) quantized per row already
+    (a GGUF read in int8 mode): concatenated as they are, popped likewise.
     head_mode: the lm_head's own mode when it differs (a GGUF with a Q8_0 embedding); default `mode`.
     shard: a tensor-parallel plan (torch_runner/distributed/shard.py) whose `int8_amax(name)`
     gives a row-parallel weight's full-row maxima across the ranks (None for other weights).
@@ -66,6 +69,7 @@ def quantize_linears(
         return 0
     count = 0
     int4_sources = int4_sources or {}
+    int8_sources = int8_sources or {}
 
     def quantize(weight: torch.Tensor, name: str, parts=()) -> QuantizedLinearWeight | torch.Tensor:
         out = quantize_one(weight, name, parts)
@@ -77,6 +81,12 @@ def quantize_linears(
     def quantize_one(weight: torch.Tensor, name: str, parts=()):
         nonlocal count
         names = [f"{name}.{p}.weight" for p in parts] or [f"{name}.weight"]
+        if mode == "int8" and all(n in int8_sources for n in names):
+            count += 1
+            found = [int8_sources.pop(n) for n in names]  # freed once concatenated
+            qweight, scales = (torch.cat(a) for a in zip(*found))
+            del found
+            return Int8Weight(qweight, scales)
         if mode == "int4" and all(n in int4_sources for n in names):
             count += 1
             found = [int4_sources.pop(n) for n in names]  # freed once packed

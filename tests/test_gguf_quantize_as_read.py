@@ -210,3 +210,27 @@ def test_cuda_packs_the_same_codes_as_cpu(tmp_path, kind):
         logits.append(ours.model.compute_logits(ours.model(x, pos, None)).float().cpu())
     scale = logits[0].abs().max().item()
     torch.testing.assert_close(logits[1], logits[0], rtol=2e-2, atol=2e-2 * scale)
+
+
+def test_int8_as_read_equals_quantizing_the_dense_weights(tmp_path, monkeypatch):
+    """Q8_0 linears in int8 mode are quantized per row as decoded (no dense copy): the same
+    qweight and scales as quantize_int8 of the dense bf16 tensor, q/k rows un-permuted."""
+    from ops.quant.int_linear import quantize_int8
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0")
+    monkeypatch.setattr(gguf_file, "TILE_BYTES", 4 * 64 * 5)  # 5-row tiles
+    (dense, _, _, _), cfg = _read(path, dtype=torch.bfloat16)
+    int8 = {}
+    hf_config = loader._hf_config(gguf_loader.sidecar_folder(path))
+    expected = {name: tuple(t.shape) for name, t in dense.items()}
+    weights, _, mode, _ = gguf_loader.read_weights(
+        path, expected, hf_config, torch.bfloat16, "auto", int8_into=int8
+    )
+    linears = {n for n in dense if n.endswith("proj.weight")}
+    assert mode == "int8" and set(int8) == linears and not linears & set(weights)
+    for name, (qweight, scales) in int8.items():
+        want = quantize_int8(dense[name])
+        assert torch.equal(qweight, want.qweight) and torch.equal(scales, want.scales), name
+    model = models.load_model(path, device="cpu", dtype="bfloat16").model
+    assert model.model.layers[0].self_attn.q_proj.weight.is_meta  # never dense
+    assert model.model.layers[0].self_attn.qkv_weight.is_quantized
