@@ -21,18 +21,21 @@ from torch import nn
 
 from models.layers import Attention, GatedMLP, PackedHead
 from ops.quant.int_linear import (
+    Int8Weight,
     QuantizedLinearWeight,
     activation_dtype,
     check_int4_shape,
+    int4_codes,
     pack_int4,
     quantize_int8,
-    quantize_weight,
 )
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # auto: the checkpoint's own (loader)
 INT4_GROUP_SIZE = 32  # llama.cpp's Q4_0 / Q4_1 block size
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one matmul each
+TILE_BYTES = 2 << 20  # fp32 bytes of weight rows quantized at a time (`quantize_rows`)
 # an fp32 model's quantized linears compute in bf16 on a bf16 CPU (ops/quant/int_linear.py says
 # why); TORCH_RUNNER_EXACT_FP32_QUANT=1 keeps them in fp32 (slow, exact: read at import, so
 # tensor-parallel ranks inherit it; tests of the exact fp32 kernels set it)
@@ -45,11 +48,15 @@ def quantize_linears(
     int4_sources: dict | None = None,
     head_mode: str | None = None,
     shard=None,
+    int8_sources: dict | None = None,
 ) -> int:
     """Quantize the model's linears in place; returns how many weights were replaced.
 
     int4_sources: HF weight name -> (codes [N, K], scales, zeros [N, K/32]) already in int4 form
-    (a GGUF's Q4 blocks); those are packed as they are, fused rows concatenated, not re-derived.
+    (a GGUF's Q4 blocks); those are packed as they are, fused rows concatenated, not re-derived,
+    and popped from the dict as they are packed (their weights may be meta placeholders).
+    int8_sources: HF weight name -> (qweight [N, K] int8, scales [N]) quantized per row already
+    (a GGUF read in int8 mode): concatenated as they are, popped likewise.
     head_mode: the lm_head's own mode when it differs (a GGUF with a Q8_0 embedding); default `mode`.
     shard: a tensor-parallel plan (torch_runner/distributed/shard.py) whose `int8_amax(name)`
     gives a row-parallel weight's full-row maxima across the ranks (None for other weights).
@@ -62,19 +69,29 @@ def quantize_linears(
         return 0
     count = 0
     int4_sources = int4_sources or {}
+    int8_sources = int8_sources or {}
 
     def quantize(weight: torch.Tensor, name: str, parts=()) -> QuantizedLinearWeight | torch.Tensor:
         out = quantize_one(weight, name, parts)
         if ROUND_FP32_ACTIVATIONS and isinstance(out, QuantizedLinearWeight):
-            out.set_compute_dtype(activation_dtype(weight.dtype, weight.device))
+            out.set_compute_dtype(activation_dtype(weight.dtype, out.device))  # weight: maybe meta
+        return_freed_memory()  # the sources and temporaries just freed (glibc keeps them)
         return out
 
     def quantize_one(weight: torch.Tensor, name: str, parts=()):
         nonlocal count
         names = [f"{name}.{p}.weight" for p in parts] or [f"{name}.weight"]
+        if mode == "int8" and all(n in int8_sources for n in names):
+            count += 1
+            found = [int8_sources.pop(n) for n in names]  # freed once concatenated
+            qweight, scales = (torch.cat(a) for a in zip(*found))
+            del found
+            return Int8Weight(qweight, scales)
         if mode == "int4" and all(n in int4_sources for n in names):
             count += 1
-            codes, scales, zeros = (torch.cat(a) for a in zip(*(int4_sources[n] for n in names)))
+            found = [int4_sources.pop(n) for n in names]  # freed once packed
+            codes, scales, zeros = (torch.cat(a) for a in zip(*found))
+            del found
             return pack_int4(codes, scales, zeros, INT4_GROUP_SIZE, weight.dtype)
         if mode == "int4":
             try:
@@ -85,7 +102,7 @@ def quantize_linears(
         count += 1
         if mode == "int8" and shard is not None:
             return quantize_int8(weight, shard.int8_amax(name))
-        return quantize_weight(weight, mode, INT4_GROUP_SIZE)
+        return quantize_rows(weight, mode, INT4_GROUP_SIZE)
 
     _replace_linears(model, quantize)
     if head_mode not in (None, mode):
@@ -105,14 +122,14 @@ def _replace_linears(model: nn.Module, quantize) -> None:
         if isinstance(module, Attention):
             if module.qkv_weight is None:
                 module.fuse()
-            qkv = quantize(module.qkv_weight, name, ("q_proj", "k_proj", "v_proj"))
+            qkv = quantize(module.qkv_weight, name, FUSED_GROUPS[0])
             _replace_buffer(module, "qkv_weight", qkv)
             _to_placeholders(module.q_proj, module.k_proj, module.v_proj)
             _replace_weight(module.o_proj, quantize(module.o_proj.weight, f"{name}.o_proj"))
         elif isinstance(module, GatedMLP):
             if module.gate_up_weight is None:
                 module.fuse()
-            gate_up = quantize(module.gate_up_weight, name, ("gate_proj", "up_proj"))
+            gate_up = quantize(module.gate_up_weight, name, FUSED_GROUPS[1])
             _replace_buffer(module, "gate_up_weight", gate_up)
             _to_placeholders(module.gate_proj, module.up_proj)
             _replace_weight(
@@ -131,6 +148,30 @@ def _replace_head(model: nn.Module, quantize) -> None:
         )
     elif isinstance(head, nn.Linear):
         _replace_weight(head, quantize(head.weight, "lm_head"))
+
+
+def quantize_rows(weight: torch.Tensor, mode: str, group_size: int) -> QuantizedLinearWeight:
+    """`quantize_weight` a tile of rows at a time: int8 scales and int4 groups are per row, so
+    the result is the same, but the fp32 temporaries stay at TILE_BYTES instead of several
+    copies of the whole matrix (a tied 49k-row head: ~110 MB each)."""
+    n, k = weight.shape
+    step = max(8, TILE_BYTES // (4 * k))
+    if mode == "int8":
+        qweight = torch.empty(n, k, dtype=torch.int8, device=weight.device)
+        scales = torch.empty(n, dtype=weight.dtype, device=weight.device)
+        for row in range(0, n, step):
+            part = quantize_int8(weight[row : row + step])
+            qweight[row : row + step], scales[row : row + step] = part.qweight, part.scales
+        return Int8Weight(qweight, scales)
+    if mode != "int4":
+        raise ValueError(f"quantization={mode!r} is not supported; allowed values: int8, int4")
+    check_int4_shape(n, k, group_size)
+    codes = torch.empty(n, k, dtype=torch.int32, device=weight.device)
+    scales, zeros = (torch.empty(n, k // group_size, device=weight.device) for _ in range(2))
+    for row in range(0, n, step):
+        rows = slice(row, row + step)
+        codes[rows], scales[rows], zeros[rows] = int4_codes(weight[rows], group_size)
+    return pack_int4(codes, scales, zeros, group_size, weight.dtype)
 
 
 def return_freed_memory() -> None:

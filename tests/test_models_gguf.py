@@ -28,12 +28,39 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(path, linear_type: str, seed: int = 0, arch: str = "llama"):
+def q4_k_bytes(w: np.ndarray) -> np.ndarray:
+    """[N, K] -> Q4_K blocks [N, K / 256 * 144] (gguf-py cannot write Q4_K): per 32-value group
+    a 6-bit scale and min relative to the super-block's f16 d and dmin, as llama.cpp lays them."""
+    n, k = w.shape
+    g = w.reshape(n, k // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(g.min(-1), 0)
+    scale = (g.max(-1) - lo) / 15
+    d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (-lo.min(-1, keepdims=True) / 63).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-12)), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / np.maximum(dmin.astype(np.float32), 1e-12)), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32) * sc
+    q = np.clip(np.round((g + (dmin.astype(np.float32) * m)[..., None]) / step[..., None]), 0, 15)
+    q = q.astype(np.uint8).reshape(n, k // 256, 4, 2, 32)  # chunk c: groups 2c (low), 2c+1 (high)
+    scales = np.concatenate(
+        [sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6,
+         (sc[..., 4:] & 0x0F) | (m[..., 4:] & 0x0F) << 4], axis=-1,
+    )  # fmt: skip
+    qs = (q[..., 0, :] | q[..., 1, :] << 4).reshape(n, k // 256, 128)
+    blocks = [d.view(np.uint8), dmin.view(np.uint8), scales, qs]
+    return np.concatenate(blocks, axis=-1).reshape(n, -1)
+
+
+def write_tiny_gguf(
+    path, linear_type: str, seed: int = 0, arch: str = "llama", types=None, **overrides
+):
+    """types: HF name -> GGML type of the linears stored otherwise than `linear_type`;
+    overrides: config fields (Q4_K needs in_features divisible by 256)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     hf = build_tiny_model(
         "llama", seed=seed, tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0), **overrides,
     )  # fmt: skip
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -57,7 +84,6 @@ def write_tiny_gguf(path, linear_type: str, seed: int = 0, arch: str = "llama"):
     writer.add_eos_token_id(2)
     writer.add_chat_template(TEMPLATE)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    qtype = getattr(gguf.GGMLQuantizationType, linear_type)
     for name, value in hf.state_dict().items():
         arr = value.float().numpy()
         if ".q_proj." in name:
@@ -65,8 +91,11 @@ def write_tiny_gguf(path, linear_type: str, seed: int = 0, arch: str = "llama"):
         elif ".k_proj." in name:
             arr = _permute(arr, cfg.num_key_value_heads)
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        if name.endswith("proj.weight") and linear_type != "F32":
-            writer.add_tensor(gguf_name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        kind = (types or {}).get(name, linear_type)
+        if (name.endswith("proj.weight") or name in (types or {})) and kind != "F32":
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            data = q4_k_bytes(arr) if kind == "Q4_K" else gguf.quants.quantize(arr, qtype)
+            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(arr))
     writer.write_header_to_file()

@@ -166,7 +166,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--llama-src", type=Path, required=True, help="llama.cpp source (convert_hf_to_gguf.py)"
+        "--llama-src", type=Path, help="llama.cpp source (convert_hf_to_gguf.py); not for --memory"
     )
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_gguf"))
     parser.add_argument("--rounds", type=int, default=3)
@@ -184,9 +184,12 @@ def main() -> None:
     folder = default_model_path()
     args.work.mkdir(parents=True, exist_ok=True)
     pairs = PAIRS if args.pairs == "all" else [PAIRS[int(i)] for i in args.pairs.split(",")]
-    if args.memory:
+    if args.memory:  # ours only: neither llama.cpp nor its source is needed
+        print(f"CPU: {lscpu_summary()}; torch {torch.__version__}", flush=True)
         memory_table(pairs)
         return
+    if args.llama_src is None:
+        parser.error("--llama-src is required (except with --memory)")
     print(f"CPU: {lscpu_summary()}; torch {torch.__version__}, {args.threads} threads", flush=True)
     print(
         f"SmolLM2-135M, batch 1, 32-token prompt, {args.gen_len} greedy tokens, medians of {args.rounds} rounds, order alternating"
