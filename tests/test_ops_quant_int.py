@@ -125,11 +125,9 @@ def test_bf16_compute_of_fp32_activations_equals_the_bf16_rounded_matmul(mode):
     assert not torch.equal(got, exact)  # the rounding is real, not a no-op
 
 
-def test_fp32_models_compute_quantized_linears_in_bf16_only_on_a_bf16_cpu(llama_folder):
-    from ops.quant.int_linear import fast_bf16_cpu
-
+def test_fp32_models_compute_quantized_linears_in_bf16_on_cpu(llama_folder):
     loaded = models.load_model(llama_folder, device="cpu", dtype="float32", quantization="int8")
-    want = torch.bfloat16 if fast_bf16_cpu() else torch.float32
+    want = torch.bfloat16
     assert loaded.model.model.layers[0].self_attn.qkv_weight.compute_dtype == want
     assert loaded.model.lm_head.weight.compute_dtype == want
     bf16 = models.load_model(llama_folder, device="cpu", dtype="bfloat16", quantization="int4")

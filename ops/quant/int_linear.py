@@ -15,9 +15,9 @@ Formats (the oracles in tests/test_ops_quant_int.py dequantise them with plain t
 
 The compute dtype (`set_compute_dtype`): torch's CPU kernels with fp32 activations take a slow
 path, 10x (int8) to 25x (int4) slower than with bf16 activations on the 2-core AVX512-BF16 box
-(tools/bench_quant.py --op). So on a CPU with native bf16 (`fast_bf16_cpu`) an fp32 model's
-quantized linears round their input to bf16, run the kernel in bf16 (fp32 accumulation inside)
-and return fp32, as llama.cpp rounds its activations (to q8_0) for quantized matmuls.
+(tools/bench_quant.py --op) and 6x / 12x on the AVX2-only EPYC (no native bf16). So on CPU an fp32
+model's quantized linears round their input to bf16, run the kernel in bf16 (fp32 accumulation
+inside) and return fp32, as llama.cpp rounds its activations (to q8_0) for quantized matmuls.
 models/quantize.py applies that rule; a weight built directly computes in its own dtype.
 """
 
@@ -212,7 +212,9 @@ def fast_bf16_cpu() -> bool:
 
 def activation_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype quantized linears compute in for a `model_dtype` model (module doc's rule)."""
-    if model_dtype == torch.float32 and torch.device(device).type == "cpu" and fast_bf16_cpu():
+    # every CPU measured so far: on the AVX2-only EPYC too (no native bf16) the fp32-activation
+    # kernels ran 6x (int8) / 12x (int4) the bf16 ones (docs/performance-log.md, 2026-12-03)
+    if model_dtype == torch.float32 and torch.device(device).type == "cpu":
         return torch.bfloat16
     return model_dtype
 
