@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interpreter import run_in_interpreter
+from triton_interpreter import assert_interpreter_ok
 
 import ops
 from ops.quant import gemv_tiles
@@ -69,8 +69,7 @@ print("ok")
     HAS_CUDA or not HAS_TRITON, reason="CPU interpreter check (with CUDA the kernel runs for real)"
 )
 def test_bf16_gemv_equals_the_fp32_matmul_in_the_interpreter():
-    result = run_in_interpreter(INTERPRETER_CHECK)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    assert_interpreter_ok(INTERPRETER_CHECK)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 import torch
-from triton_interpreter import run_in_interpreter
+from triton_interpreter import assert_interpreter_ok
 
 import ops
 
@@ -96,8 +96,7 @@ print("ok")
     HAS_CUDA or not HAS_TRITON, reason="CPU interpreter check (with CUDA the kernel runs for real)"
 )
 def test_gemv_equals_the_dequantised_matmul_in_the_interpreter():
-    result = run_in_interpreter(INTERPRETER_CHECK)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    assert_interpreter_ok(INTERPRETER_CHECK)
 
 
 def test_gemv_rejects_more_rows_than_it_holds():

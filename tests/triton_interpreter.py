@@ -38,3 +38,9 @@ def run_in_interpreter(script: str, timeout: int = 600) -> subprocess.CompletedP
         [sys.executable, "-c", prelude + script],
         env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__), timeout=timeout,
     )  # fmt: skip
+
+
+def assert_interpreter_ok(script: str, timeout: int = 600) -> None:
+    """Run `script` in the interpreter (run_in_interpreter); it must exit 0 and print "ok"."""
+    result = run_in_interpreter(script, timeout)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
