@@ -16,25 +16,28 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
 
-# 2026-12-01 21:41 UTC, 2-core Intel Xeon (AVX-512 BF16, AMX), SmolLM2-135M batch-1 decode tok/s,
-# medians of 3 interleaved rounds (docs/performance.md, CPU table; bf16 activations for int8/int4).
+# 2026-12-03 10:06 UTC, 2-core AMD EPYC (AVX2 only), SmolLM2-135M batch-1 decode tok/s, medians of
+# interleaved rounds (docs/performance.md, CPU table; bf16 activations for int8/int4;
+# tools/bench_cpu_vs_llamacpp.py, llama-cpp-python 0.3.36, 2 threads).
 CPU = {
-    "fp32": {"torch_runner": 25.8, "llama.cpp": 40.5},
-    "bf16": {"torch_runner": 40.0, "llama.cpp": 59.0},
-    "int8 / q8_0": {"torch_runner": 51.3, "llama.cpp": 75.3},
-    "int4 / Q4_1": {"torch_runner": 79.5, "llama.cpp": 88.5},
+    "fp32": {"torch_runner": 17.3, "llama.cpp": 35.8},
+    "bf16": {"torch_runner": 26.5, "llama.cpp": 62.0},
+    "int8 / q8_0": {"torch_runner": 29.4, "llama.cpp": 89.3},
+    "int4 / Q4_1": {"torch_runner": 31.5, "llama.cpp": 85.4},
+    "default GGUF / Q4_1": {"torch_runner": 27.4, "llama.cpp": 79.6},
 }
 
-# 2026-12-01, one NVIDIA H200, bf16 random weights, prompt 128 + 128 generated, decode tok/s
-# (docs/performance.md, H200 table: tools/bench_cuda_decode.py; llama.cpp and HF from the earlier
-# session's table).
+# One NVIDIA H200, bf16 random weights, prompt 128 + 128 generated, decode tok/s
+# (docs/performance.md, H200 table: tools/bench_cuda_decode.py). Ours: 1B / 8B batch 1 and 1B
+# batch 64 from 2026-12-03 13:39 (bf16 GEMV), the rest from 2026-12-02; llama.cpp 1B rows from the
+# 2026-12-02 09:00 call, 8B and gpt-oss from an earlier session; HF from 2026-12-01.
 H200 = {
-    "Llama-3.2-1B b1": {"roofline": 1715, "torch_runner": 530, "llama.cpp": 746, "HF": 108},
-    "Llama-3.2-1B b64": {"roofline": 94632, "torch_runner": 18329, "llama.cpp": 9571, "HF": 5277},
-    "Llama-3.1-8B b1": {"roofline": 283, "torch_runner": 167.5, "llama.cpp": 205, "HF": 48},
-    "Llama-3.1-8B b64": {"roofline": 16365, "torch_runner": 6570, "llama.cpp": 4734, "HF": 3057},
-    "gpt-oss-20b b1": {"roofline": 588, "torch_runner": 153, "llama.cpp": 294, "HF": 0},
-    "gpt-oss-20b b64": {"roofline": 6615, "torch_runner": 3149, "llama.cpp": 2427, "HF": 0},
+    "Llama-3.2-1B b1": {"roofline": 1715, "torch_runner": 1026.5, "llama.cpp": 756, "HF": 108},
+    "Llama-3.2-1B b64": {"roofline": 94632, "torch_runner": 47710, "llama.cpp": 17758, "HF": 5277},
+    "Llama-3.1-8B b1": {"roofline": 283, "torch_runner": 240.0, "llama.cpp": 205, "HF": 48},
+    "Llama-3.1-8B b64": {"roofline": 16365, "torch_runner": 11641, "llama.cpp": 4734, "HF": 3057},
+    "gpt-oss-20b b1": {"roofline": 1133, "torch_runner": 408, "llama.cpp": 294, "HF": 0},
+    "gpt-oss-20b b64": {"roofline": 21586, "torch_runner": 4749, "llama.cpp": 2427, "HF": 0},
 }
 
 
@@ -61,7 +64,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     grouped_bars(
         CPU,
-        "SmolLM2-135M batch-1 decode, 2-core Xeon",
+        "SmolLM2-135M batch-1 decode, 2-core AMD EPYC (AVX2)",
         "tokens/s",
         OUT / "cpu_batch1_decode.png",
     )
