@@ -9,6 +9,7 @@ Compiled lazily at the first batch-1 decode step (12-60 s on 2 cores), one graph
 from __future__ import annotations
 
 import torch
+import torch._inductor.config as inductor_config
 
 import ops
 from models.layers import rope_tables
@@ -40,7 +41,13 @@ def _decode_attention(q, k, v, pool_k, pool_v, table, length, block_size, scale)
         rows = paged.view(-1, block_size, h, d).index_select(0, blocks).view(nb * block_size, h, d)
         return rows[:s].view(1, s, h, d).transpose(1, 2)  # [1, Hkv, S, D]
 
-    return CPU_FLASH(q, fetch(pool_k), fetch(pool_v), 0.0, False, attn_mask=None, scale=scale)[0]
+    keys, values = fetch(pool_k), fetch(pool_v)
+    if q.dtype != torch.float32:  # bf16: the fused kernel in fp32 on the upcast rows, rounded once
+        # (AVX2 has no bf16 math: bf16 flash took 1.1-2.6x as long at 64-512 keys, 2026-12-03)
+        out = CPU_FLASH(q.float(), keys.float(), values.float(), 0.0, False, attn_mask=None,
+                        scale=scale)[0]  # fmt: skip
+        return out.to(q.dtype)
+    return CPU_FLASH(q, keys, values, 0.0, False, attn_mask=None, scale=scale)[0]
 
 
 _LIB.impl("decode_attention", _decode_attention, "CPU")
@@ -86,11 +93,19 @@ class CompiledDecoder:
     def __init__(self, model, pool, block_size: int, max_blocks: int) -> None:
         self.pools_k, self.pools_v = list(pool.k_layers), list(pool.v_layers)
         self.table = torch.zeros(max_blocks, dtype=torch.int64)
-        self.step = torch.compile(_Step(model, block_size).eval(), fullgraph=True, dynamic=False,
-                                  options={"freezing": True})  # fmt: skip
+        self.step = torch.compile(_Step(model, block_size).eval(), fullgraph=True, dynamic=False)
+        self.is_compiled = False
 
     def __call__(self, input_ids, positions, block_table: list[int]) -> torch.Tensor:
         self.table[: len(block_table)] = torch.tensor(block_table, dtype=torch.int64)
         length = torch.tensor(int(positions.view(-1)[0]) + 1)
+        if not self.is_compiled:  # compiles now: freezing makes the weights constants, packed
+            # for MKL / oneDNN by inductor (torch 2.13: `options={"freezing": True}` on
+            # torch.compile was ignored, so the step ran unfrozen, dense aten.mm)
+            with inductor_config.patch(freezing=True):
+                out = self.step(input_ids.view(1), positions.view(1, 1), self.table, length,
+                                self.pools_k, self.pools_v)  # fmt: skip
+            self.is_compiled = True
+            return out
         return self.step(input_ids.view(1), positions.view(1, 1), self.table, length,
                          self.pools_k, self.pools_v)  # fmt: skip
