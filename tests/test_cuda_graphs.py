@@ -264,7 +264,8 @@ def test_cuda_graph_heads_sample_what_the_eager_sampler_samples(llama, kind):
         engine.runner.graph_sampling = inside
         engine.runner.decode_graphs.min_keys = 8
         runs.append(run_staggered(engine, PROMPTS, params, arrive_at=(4, 9)))
-        heads = {key[2] for key in engine.runner.decode_graphs.graphs}
+        graphs = engine.runner.decode_graphs
+        heads = {head for head, steps in graphs.head_steps.items() if steps}  # replayed
         assert (heads != {None}) == inside
     assert runs[0] == runs[1]
 
@@ -308,9 +309,10 @@ def test_cuda_graph_replay_equals_eager(llama):
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.capture
     graphs.min_keys = 8  # small buckets, so this short run crosses several
+    warmed = set(graphs.graphs)  # start-up's (min_keys 64) graphs
     replayed = _run(engine)
     assert replayed == eager
-    assert len(graphs.graphs) >= 4  # several (batch, key) buckets were captured and replayed
+    assert len(set(graphs.graphs) - warmed) >= 4  # several (batch, key) buckets were captured
     for prompt, tokens, m in zip(PROMPTS, replayed, MAX_TOKENS):
         assert tokens == hf_greedy(hf, prompt, m), prompt
     # all-greedy steps replayed graphs that pick the tokens; replay and the same static forward
@@ -353,7 +355,7 @@ def test_cuda_graphs_captured_on_the_server_thread_equal_eager(llama):
         streamed = asyncio.run(main())
     finally:
         server.shutdown()
-    assert server.engine.runner.decode_graphs.graphs  # decode really replayed graphs
+    assert sum(server.engine.runner.decode_graphs.head_steps.values())  # decode replayed graphs
     assert streamed == [o.token_ids for o in eager]
 
 
@@ -387,8 +389,9 @@ def test_cuda_graphs_cover_every_family_and_equal_the_windowed_eager_engine(fami
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.capture  # SWA, sinks and MoE are captured
     graphs.min_keys = 8
+    warmed = set(graphs.graphs)
     assert _run(engine) == windowed
-    assert len(graphs.graphs) >= 4
+    assert len(set(graphs.graphs) - warmed) >= 4
     for prompt, tokens, m in zip(PROMPTS, windowed, MAX_TOKENS):
         assert tokens == hf_greedy(hf, prompt, m), prompt
 
@@ -418,3 +421,37 @@ def test_swa_kv_picks_where_window_layers_live_and_rejects_bad_values(family):
     cuda = EngineConfig(swa_kv="auto")
     assert ModelRunner.pages_windows(cuda, torch.device("cuda"))
     assert not ModelRunner.pages_windows(cuda, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("block_size,min_keys,max_keys", [(4, 8, 100), (16, 64, 4096), (16, 64, 1)])
+def test_warm_up_key_buckets_are_every_bucket_a_context_maps_to(
+    llama, block_size, min_keys, max_keys
+):
+    graphs = _static(_engine(llama[0], block_size=block_size))
+    graphs.min_keys = min_keys
+    hit = sorted({key_bucket(n, block_size, min_keys) for n in range(1, max_keys + 1)})
+    assert graphs.key_buckets(max_keys) == hit
+    assert graphs.warm_up(max_keys, [None]) == 0  # capture off (CPU): nothing to capture
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_start_up_captures_the_graphs_so_serving_captures_none(llama):
+    """eager_warmup auto captures every batch x key bucket x common head before serving; a
+    mixed greedy / unseeded-random run inside those buckets then captures nothing new, and its
+    greedy outputs equal the eager engine's."""
+    path, hf = llama
+    engine = _engine(path, device="cuda", cuda_graph_max_bs=8)
+    graphs = engine.runner.decode_graphs
+    keys = graphs.key_buckets(min(engine.config.cuda_graph_warmup_keys, engine.max_model_len))
+    assert len(graphs.graphs) == len(graphs.buckets) * len(keys) * 3
+    before = set(graphs.graphs)
+    greedy = _run(engine)
+    params = [SamplingParams(max_tokens=m, temperature=0.8, ignore_eos=True) for m in MAX_TOKENS]
+    sampled = run_staggered(engine, PROMPTS, params, arrive_at=(4, 9))
+    assert set(graphs.graphs) == before  # no capture while serving
+    assert [len(t) for t in sampled] == MAX_TOKENS
+    assert greedy == _run(_engine(path, device="cuda", enforce_eager=True))
+    for lazy in (dict(eager_warmup="off"), dict(cuda_graph_warmup_keys=0)):
+        off = _engine(path, device="cuda", cuda_graph_max_bs=8, **lazy)
+        assert not off.runner.decode_graphs.graphs  # lazy, as before

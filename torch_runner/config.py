@@ -62,6 +62,9 @@ class EngineConfig:
     quantization: str = "auto"  # auto: the checkpoint's (GGUF Q4 -> int4, Q8_0 -> int8), else none
     enforce_eager: bool = False  # True: never capture CUDA graphs for decode
     cuda_graph_max_bs: int = 64  # decode batches above this size run eagerly
+    # with eager_warmup auto: decode graphs captured at start-up for contexts up to this many
+    # tokens (capped at max_model_len); longer ones are captured on first use; 0: all lazily
+    cuda_graph_warmup_keys: int = 4096
     # sliding-window KV: "windowed" per-request buffers (least memory), "paged" in the pool with
     # the full layers (CUDA graphs need it), "auto" = paged on CUDA, windowed elsewhere
     swa_kv: str = "auto"
@@ -102,6 +105,7 @@ class EngineConfig:
         _require_int("max_waiting", self.max_waiting, 1)
         _require_int("max_cached_windows", self.max_cached_windows, 0)
         _require_int("cuda_graph_max_bs", self.cuda_graph_max_bs, 1)
+        _require_int("cuda_graph_warmup_keys", self.cuda_graph_warmup_keys, 0)
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _require_int("dist_timeout", self.dist_timeout, 1)
         if not isinstance(self.enable_expert_parallel, bool):

@@ -26,7 +26,11 @@ from torch_runner.kv.windows import free_behind_window, payload_cap
 from torch_runner.outputs import RequestOutput
 from torch_runner.request_state import RequestState
 from torch_runner.runner.model_runner import ModelRunner, available_memory_bytes
-from torch_runner.runner.warmup import NO_CHUNKING_LIMIT, warm_up_eager_shapes
+from torch_runner.runner.warmup import (
+    NO_CHUNKING_LIMIT,
+    warm_up_eager_shapes,
+    warm_up_graphs,
+)
 from torch_runner.scheduler import Scheduler
 from torch_runner.sequence import Sequence
 
@@ -131,6 +135,8 @@ class Engine(EngineSteps):
         if self.device.type == "cuda" and config.eager_warmup == "auto" and tp is None:
             budget = config.chunked_prefill_size or NO_CHUNKING_LIMIT
             warm_up_eager_shapes(self.runner, min(budget, self.max_model_len), config.max_num_seqs)
+            if config.cuda_graph_warmup_keys:
+                warm_up_graphs(self.runner, min(config.cuda_graph_warmup_keys, self.max_model_len))
         self.block_manager = BlockManager(num_blocks, config.block_size)
         # a match must find the window before its end held: in payloads (windowed SWA caches)
         # or in blocks (paged, with the blocks behind the window given back); kv/radix_cache.py

@@ -23,7 +23,8 @@ and advances it (torch's graph-safe generator state), so no two replays share no
 
 `static_decode` is that forward as a plain function: on CPU the tests run it eagerly and
 compare it with the eager path; on CUDA `DecodeGraphs` captures it once per (batch bucket,
-key bucket), lazily on first use, into one shared memory pool. Every family is captured:
+key bucket, head), on first use or ahead of serving (`warm_up`, runner/warmup.py), into one shared
+memory pool. Every family is captured:
 sliding-window layers are paged on CUDA (kv/caches.py `page_windows`), sinks are part of the
 attention kernel and the MoE op routes with grouped GEMMs on the device (ops/moe.py).
 """
@@ -205,6 +206,28 @@ class DecodeGraphs:
         graph.replay()
         return _rows(out, b)  # views of graph memory: the caller reads them before the next replay
 
+    def key_buckets(self, max_keys: int) -> list[int]:
+        """Every key bucket a context of up to `max_keys` tokens maps to, smallest first."""
+        block = self.pool.block_size
+        top = key_bucket(max(max_keys, 1), block, self.min_keys)
+        found, width = [], self.min_keys
+        while (bucket := key_bucket(width, block, self.min_keys)) <= top:
+            found.append(bucket)
+            width = bucket * 2
+        return found
+
+    def warm_up(self, max_keys: int, heads) -> int:
+        """Capture every (batch bucket, key bucket up to `max_keys`, head) graph not captured
+        yet, so no served step pays a capture (tens of ms: a stall in every stream). Returns
+        how many it captured; none when graphs are off (`capture` False)."""
+        if not self.capture:
+            return 0
+        todo = [(rows, keys, head) for head in heads for keys in self.key_buckets(max_keys)
+                for rows in self.buckets if (rows, keys, head) not in self.graphs]  # fmt: skip
+        for key in todo:
+            self._capture(*key)
+        return len(todo)
+
     def _head_inputs(self, head: GraphHead | None, rows: int, batch=None) -> HeadInputs | None:
         if head is None or head.kind == "greedy":
             return None
@@ -236,7 +259,7 @@ class DecodeGraphs:
                                    self.device, self.mempool, generator)  # fmt: skip
         key = (rows, num_keys, head)
         self.graphs[key] = (graph, inputs, head_inputs, out)
-        logger.info("captured decode graph B=%d S=%d head=%s in %.1f ms (%d graphs)", rows,
+        logger.debug("captured decode graph B=%d S=%d head=%s in %.1f ms (%d graphs)", rows,
                     num_keys, head, (time.perf_counter() - t0) * 1e3, len(self.graphs))  # fmt: skip
         return self.graphs[key]
 

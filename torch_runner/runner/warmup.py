@@ -8,6 +8,12 @@ tools/bench_cuda_decode.py --new-lengths). Here every bucket up to the step's to
 once before serving: one eager forward per prefill row count, then the lm_head at every row
 count a step can sample. The forwards write keys and values into the pool's first blocks, which
 no request holds yet (a request writes every slot before it reads it); the pad slot stays zero.
+
+Then the decode graphs (cuda_graphs.py) are captured for every batch bucket and key bucket up to
+EngineConfig.cuda_graph_warmup_keys, with the heads most requests take (greedy, temperature-only unseeded, and the
+eager sampler's logits graph): captured lazily, each first use of a (batch, context) bucket
+stalled every stream for a capture (an H200 serving a 1B model at 16 streams: TTFT p99 938 ms
+against 85 ms at p50, tools/bench_serving.py, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import time
 import torch
 
 from ops.linear import EAGER_ROW_BUCKET, MIN_PADDED_ROWS
+from torch_runner.runner.graph_head import GraphHead
 from torch_runner.scheduler import ScheduledChunk
 from torch_runner.sequence import Sequence
 
@@ -69,3 +76,20 @@ def warm_up_eager_shapes(runner, token_budget: int, max_rows: int) -> int:
     logger.info("warmed %d prefill and %d lm_head shapes in %.0f ms", len(lengths),
                 len(row_buckets(max_rows)), (time.perf_counter() - t0) * 1e3)  # fmt: skip
     return len(lengths) + len(row_buckets(max_rows))
+
+
+def warm_up_graphs(runner, max_keys: int) -> int:
+    """Capture the decode graphs of contexts up to `max_keys` tokens for every batch bucket and
+    the common heads (module docstring); returns how many were captured (0: graphs off)."""
+    graphs = runner.decode_graphs
+    if graphs is None:
+        return 0
+    t0 = time.perf_counter()
+    heads = [None]  # the eager sampler's graph: logits out (logprobs, penalties, grammar)
+    if runner.graph_sampling:
+        vocab = runner.vocab_size
+        heads += [GraphHead(vocab, "greedy"), GraphHead(vocab, "plain", seeding="unseeded")]
+    count = graphs.warm_up(max_keys, heads)
+    logger.info("captured %d decode graphs (batch <= %d, contexts <= %d, %d heads) in %.0f ms",
+                count, graphs.max_bs, max_keys, len(heads), (time.perf_counter() - t0) * 1e3)  # fmt: skip
+    return count

@@ -51,6 +51,7 @@ def engine_config(args: argparse.Namespace):
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_warmup_keys=args.cuda_graph_warmup_keys,
         async_scheduling=args.async_scheduling,
         swa_kv=args.swa_kv,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -181,6 +181,15 @@ def model_flags(add: Adder, d: dict[str, Any]) -> None:
         "Default: %(default)s.",
     )
     add(
+        "--cuda-graph-warmup-keys",
+        type=int,
+        default=d["cuda_graph_warmup_keys"],
+        help="With --eager-warmup auto: capture the decode graphs of every batch size for "
+        "contexts up to this many tokens at start-up (capped at --max-model-len), so serving "
+        "never stalls on a capture; longer contexts capture on first use; 0: all on first use. "
+        "Default: %(default)s.",
+    )
+    add(
         "--trust-remote-code",
         action="store_true",
         help="Refused: no code from a model repository ever runs; every supported family is "
