@@ -29,15 +29,30 @@ CPU = {
 
 # One NVIDIA H200, bf16 random weights, prompt 128 + 128 generated, decode tok/s
 # (docs/performance.md, H200 table: tools/bench_cuda_decode.py). Ours: 1B / 8B batch 1 and 1B
-# batch 64 from 2026-12-03 13:39 (bf16 GEMV), the rest from 2026-12-02; llama.cpp 1B rows from the
-# 2026-12-02 09:00 call, 8B and gpt-oss from an earlier session; HF from 2026-12-01.
+# batch 1 with llama.cpp's llama-bench tg128 in the same call (2026-12-03 16:50-16:57), 1B batch 64
+# from 2026-12-03 13:39, the rest from 2026-12-02; llama.cpp 1B b64 from the 2026-12-02 09:00 call,
+# 8B b64 and gpt-oss from an earlier session; HF from 2026-12-01.
 H200 = {
-    "Llama-3.2-1B b1": {"roofline": 1715, "torch_runner": 1026.5, "llama.cpp": 756, "HF": 108},
+    "Llama-3.2-1B b1": {"roofline": 1715, "torch_runner": 1027.0, "llama.cpp": 759.7, "HF": 108},
     "Llama-3.2-1B b64": {"roofline": 94632, "torch_runner": 47710, "llama.cpp": 17758, "HF": 5277},
-    "Llama-3.1-8B b1": {"roofline": 283, "torch_runner": 240.0, "llama.cpp": 205, "HF": 48},
+    "Llama-3.1-8B b1": {"roofline": 283, "torch_runner": 237.9, "llama.cpp": 207.9, "HF": 48},
     "Llama-3.1-8B b64": {"roofline": 16365, "torch_runner": 11641, "llama.cpp": 4734, "HF": 3057},
     "gpt-oss-20b b1": {"roofline": 1133, "torch_runner": 408, "llama.cpp": 294, "HF": 0},
     "gpt-oss-20b b64": {"roofline": 21586, "torch_runner": 4749, "llama.cpp": 2427, "HF": 0},
+}
+
+# One NVIDIA H200, streaming HTTP serving (docs/performance.md, "Serving on the H200";
+# tools/bench_serving.py --input-len 32 256 --output-len 32 128 --num-prompts 64 --seed 0
+# --concurrency 1 16 64), random bf16 weights, the real Llama-3 tokenizer. Ours: main fc57965 with
+# start-up graph capture (1B: the lower of two runs, 2026-12-03 17:18; 8B: 17:24); llama-server:
+# 2026-12-03 16:55-17:00, same GPU, same weights as GGUF. (output tok/s, ITL p50 ms)
+SERVING = {
+    "1B c1": {"torch_runner": (758.9, 0.974), "llama-server": (479.2, 1.798)},
+    "1B c16": {"torch_runner": (2722.4, 1.899), "llama-server": (715.4, 19.919)},
+    "1B c64": {"torch_runner": (7426.7, 4.892), "llama-server": (829.3, 46.996)},
+    "8B c1": {"torch_runner": (212.2, 4.225), "llama-server": (170.1, 5.348)},
+    "8B c16": {"torch_runner": (1294.6, 4.866), "llama-server": (383.0, 35.644)},
+    "8B c64": {"torch_runner": (4557.9, 5.286), "llama-server": (443.0, 84.644)},
 }
 
 
@@ -69,6 +84,12 @@ def main() -> None:
         OUT / "cpu_batch1_decode.png",
     )
     grouped_bars(H200, "Decode on one H200, bf16", "tokens/s (log)", OUT / "h200_decode.png", True)
+    for i, (what, name) in enumerate(
+        (("output tokens/s (log)", "throughput"), ("ITL p50 ms (log)", "itl"))
+    ):
+        data = {g: {k: v[i] for k, v in row.items()} for g, row in SERVING.items()}
+        title = f"Streaming serving on one H200, bf16: {name} (Llama-3.2-1B / 3.1-8B geometries)"
+        grouped_bars(data, title, what, OUT / f"h200_serving_{name}.png", True)
 
 
 if __name__ == "__main__":
