@@ -115,3 +115,30 @@ def test_bad_request_fails_alone_and_full_queue_is_over_capacity(path):
         asyncio.run(main())
     finally:
         async_engine.shutdown()
+
+
+def test_a_consumer_behind_the_engine_gets_merged_outputs_with_every_delta(path):
+    """The consumer reads nothing until the request is done: the queued outputs arrive merged
+    (fewer outputs than tokens), their deltas still add up to the offline engine's tokens and
+    text, and the last one is the finished cumulative state."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (ref,) = _engine(path).generate([PROMPTS[1]], params)
+    async_engine = AsyncEngine(_engine(path))
+    async_engine.start()
+    try:
+
+        async def main():
+            stream = async_engine.generate("late", PROMPTS[1], params)
+            first = await stream.__anext__()
+            while async_engine.engine.has_unfinished():  # the engine runs on; nobody reads
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # the last step's callback reaches the loop
+            return [first] + [out async for out in stream]
+
+        outs = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert len(outs) < len(ref.token_ids)  # merged, not one per step
+    assert outs[-1].finished and outs[-1].token_ids == ref.token_ids and outs[-1].text == ref.text
+    assert [t for o in outs for t in o.delta_token_ids] == ref.token_ids
+    assert "".join(o.delta_text for o in outs) == ref.text

@@ -6,7 +6,10 @@ All engine state is touched only by the loop thread; callers hand it work throug
 inbox (adds, aborts) and receive outputs on per-request asyncio queues fed with
 `call_soon_threadsafe`. The waiting queue is bounded: past `max_waiting` a new request is
 refused at once with `EngineOverCapacityError` instead of queueing without limit, and `submit`
-admits a group of requests (one HTTP request's choices) together or not at all.
+admits a group of requests (one HTTP request's choices) together or not at all. A step's outputs
+reach each event loop in one callback; a consumer that fell behind gets the outputs queued for it
+merged into one (`outputs.coalesce`: the latest cumulative state with every delta), as vLLM's
+output collector does, so per-output work (an SSE event) does not grow with the lag.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from ops.sampling.params import SamplingParams
 from torch_runner.distributed.group import RankFailure
 from torch_runner.engine import Engine
+from torch_runner.outputs import coalesce
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,24 @@ class _Subscriber:
         # a closed caller loop raises RuntimeError: nobody is listening any more
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def deliver(targets) -> None:
+    """Hand a step's outputs to their subscribers: one `call_soon_threadsafe` per event loop
+    (each wakes the loop through its self-pipe and takes the GIL from the engine thread), not
+    one per request; the loop then fills the queues in step order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for subscriber, output in targets:
+        if subscriber is not None:
+            by_loop.setdefault(subscriber.loop, []).append((subscriber.queue, output))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 class AsyncEngine:
@@ -152,8 +174,19 @@ class AsyncEngine:
                 item = await subscriber.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                # behind the engine (outputs of several steps queued): one merged output, so a
+                # slow consumer does per-output work (SSE events) once, not once per step
+                error = None
+                while not item.finished and not subscriber.queue.empty():
+                    later = subscriber.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        error = later
+                        break
+                    item = coalesce(item, later)
                 finished = item.finished
                 yield item
+                if error is not None:
+                    raise error
         finally:
             if not finished:
                 self.abort(request_id)
@@ -222,9 +255,7 @@ class AsyncEngine:
             self._refresh_stats()
             with self._lock:
                 targets = [(self._subscribers.get(o.request_id), o) for o in outputs]
-            for subscriber, output in targets:
-                if subscriber is not None:
-                    subscriber.put(output)
+            deliver(targets)
         self._fail_all(EngineShutdownError("AsyncEngine shut down"))
 
     def _refresh_stats(self, force: bool = False) -> None:

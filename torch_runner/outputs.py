@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -36,3 +36,13 @@ class RequestOutput:
     num_cached_tokens: int
     stop_reason: int | str | None = None
     error: str | None = None  # why a request with finish_reason "error" ended
+
+
+def coalesce(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the newer cumulative state, with both
+    steps' deltas (what a consumer that fell behind receives, as if one step made both)."""
+    return replace(
+        newer,
+        delta_text=older.delta_text + newer.delta_text,
+        delta_token_ids=older.delta_token_ids + newer.delta_token_ids,
+    )
