@@ -455,3 +455,49 @@ def test_start_up_captures_the_graphs_so_serving_captures_none(llama):
     for lazy in (dict(eager_warmup="off"), dict(cuda_graph_warmup_keys=0)):
         off = _engine(path, device="cuda", cuda_graph_max_bs=8, **lazy)
         assert not off.runner.decode_graphs.graphs  # lazy, as before
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.6, top_p=0.9),  # Llama's generation_config
+        dict(temperature=1.0, top_k=64, top_p=0.95),  # Gemma's
+        dict(temperature=0.7),
+        dict(temperature=0.0),
+        dict(temperature=0.8, repetition_penalty=1.1),  # penalties: the eager sampler
+        dict(temperature=0.8, seed=3),
+    ],
+)
+def test_the_warmed_head_is_the_one_a_batch_of_those_requests_samples_with(llama, params):
+    """graph_head_for (start-up warm-up of the server's default sampling) names the head the
+    runner picks for a real batch of such requests, whatever its size."""
+    from torch_runner.runner.warmup import graph_head_for
+
+    engine = _engine(llama[0])
+    runner = engine.runner
+    _static(engine)  # CPU: the same decision code, graphs not captured
+    sp = SamplingParams(max_tokens=4, **params)
+    expected = None
+    if is_graph_sampled(sp):
+        batch = SamplingBatch.build([sp] * 3, [[5, 6], [7], [8, 9, 10]], [[1], [], [2, 3]],
+                                    runner.vocab_size, runner.device,
+                                    eos_token_ids=runner.eos_token_ids)  # fmt: skip
+        expected = GraphHead.for_batch(batch, runner.vocab_size)
+        if sp.is_greedy:
+            expected = GraphHead(runner.vocab_size, "greedy")
+    assert graph_head_for(runner, sp) == expected
+    assert engine.warm_up_sampling(sp) == 0  # CPU: nothing captured
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warming_the_default_sampling_captures_what_its_requests_replay(llama):
+    """A server's default top_p warmed at start-up: serving such requests captures nothing."""
+    engine = _engine(llama[0], device="cuda", cuda_graph_max_bs=8)
+    sp = dict(temperature=0.6, top_p=0.9, ignore_eos=True)
+    assert engine.warm_up_sampling(SamplingParams(**sp)) > 0
+    before = set(engine.runner.decode_graphs.graphs)
+    params = [SamplingParams(max_tokens=m, **sp) for m in MAX_TOKENS]
+    outs = run_staggered(engine, PROMPTS, params, arrive_at=(4, 9))
+    assert [len(t) for t in outs] == MAX_TOKENS
+    assert set(engine.runner.decode_graphs.graphs) == before

@@ -28,6 +28,7 @@ from torch_runner.request_state import RequestState
 from torch_runner.runner.model_runner import ModelRunner, available_memory_bytes
 from torch_runner.runner.warmup import (
     NO_CHUNKING_LIMIT,
+    graph_head_for,
     warm_up_eager_shapes,
     warm_up_graphs,
 )
@@ -215,6 +216,17 @@ class Engine(EngineSteps):
         raise ValueError(
             f"prompt must be a string or a list of token ids; got {type(prompt).__name__}"
         )
+
+    def warm_up_sampling(self, params: SamplingParams) -> int:
+        """Capture ahead, like start-up does for greedy and temperature-only requests, the decode
+        graphs that sample requests with `params` (the server's defaults: a model's
+        generation_config usually sets top_p / top_k), so its first requests do not stall on
+        captures. Call before stepping starts; returns how many graphs it captured."""
+        keys = min(self.config.cuda_graph_warmup_keys, self.max_model_len)
+        if self.config.eager_warmup != "auto" or not keys:
+            return 0
+        head = graph_head_for(self.runner, params)
+        return 0 if head is None else warm_up_graphs(self.runner, keys, heads=[head])
 
     def add_request(
         self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None

@@ -24,7 +24,8 @@ import time
 import torch
 
 from ops.linear import EAGER_ROW_BUCKET, MIN_PADDED_ROWS
-from torch_runner.runner.graph_head import GraphHead
+from ops.sampling.batch import SamplingBatch
+from torch_runner.runner.graph_head import GraphHead, is_graph_sampled
 from torch_runner.scheduler import ScheduledChunk
 from torch_runner.sequence import Sequence
 
@@ -78,17 +79,32 @@ def warm_up_eager_shapes(runner, token_budget: int, max_rows: int) -> int:
     return len(lengths) + len(row_buckets(max_rows))
 
 
-def warm_up_graphs(runner, max_keys: int) -> int:
+def graph_head_for(runner, params) -> GraphHead | None:
+    """The head a decode graph samples a batch of requests with `params` by (None: the eager
+    sampler, or graphs do not sample), as model_runner picks it; the same for any batch size."""
+    if runner.decode_graphs is None or not runner.graph_sampling or not is_graph_sampled(params):
+        return None
+    if params.is_greedy:
+        return GraphHead(runner.vocab_size, "greedy")
+    batch = SamplingBatch.build([params], [[0]], [[]], runner.vocab_size, runner.device,
+                                deterministic=runner.deterministic,
+                                eos_token_ids=runner.eos_token_ids)  # fmt: skip
+    return GraphHead.for_batch(batch, runner.vocab_size)
+
+
+def warm_up_graphs(runner, max_keys: int, heads=None) -> int:
     """Capture the decode graphs of contexts up to `max_keys` tokens for every batch bucket and
-    the common heads (module docstring); returns how many were captured (0: graphs off)."""
+    `heads` (default: the common ones, module docstring); returns how many were captured (0:
+    graphs off, or all captured already)."""
     graphs = runner.decode_graphs
     if graphs is None:
         return 0
     t0 = time.perf_counter()
-    heads = [None]  # the eager sampler's graph: logits out (logprobs, penalties, grammar)
-    if runner.graph_sampling:
-        vocab = runner.vocab_size
-        heads += [GraphHead(vocab, "greedy"), GraphHead(vocab, "plain", seeding="unseeded")]
+    if heads is None:
+        heads = [None]  # the eager sampler's graph: logits out (logprobs, penalties, grammar)
+        if runner.graph_sampling:
+            vocab = runner.vocab_size
+            heads += [GraphHead(vocab, "greedy"), GraphHead(vocab, "plain", seeding="unseeded")]
     count = graphs.warm_up(max_keys, heads)
     logger.info("captured %d decode graphs (batch <= %d, contexts <= %d, %d heads) in %.0f ms",
                 count, graphs.max_bs, max_keys, len(heads), (time.perf_counter() - t0) * 1e3)  # fmt: skip

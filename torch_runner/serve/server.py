@@ -132,7 +132,7 @@ def run_server(
     import uvicorn
 
     import ops
-    from torch_runner import AsyncEngine, Engine
+    from torch_runner import AsyncEngine, Engine, SamplingParams
     from torch_runner.distributed.group import torchrun_env
     from torch_runner.serve.app import create_app
     from torch_runner.serve.drain import DrainingServer
@@ -147,6 +147,13 @@ def run_server(
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: could not start the engine: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    if sampling_defaults is None:
+        try:
+            sampling_defaults = load_sampling_defaults("auto", engine.model_path, SamplingParams)
+        except ValueError as exc:  # a generation_config.json value the sampler refuses
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+    engine.warm_up_sampling(SamplingParams(**sampling_defaults.values))  # before the loop starts
     async_engine = AsyncEngine(engine)
     # a tensor-parallel rank that died or hung stops the engine loop (health answers 503); SIGTERM
     # then drains and stops the server, and the exit below says why
