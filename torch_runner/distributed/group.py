@@ -20,6 +20,9 @@ IDLE_TIMEOUT = timedelta(days=30)  # a worker may wait this long for rank 0's ne
 # rank 0's first message (the pool size) waits for every worker to finish loading its shard,
 # which on a busy host or a slow disk takes longer than a step may (dist_timeout)
 LOAD_TIMEOUT = timedelta(minutes=10)
+# how long the ranks may take to come up and meet (each imports torch first: seconds on a busy
+# host); the collectives' own timeout is dist_timeout, on a group of their own
+JOIN_TIMEOUT = timedelta(seconds=60)
 STOP = "stop"
 
 
@@ -54,8 +57,9 @@ class TPGroup:
         backend = self.backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = self.timeout = timedelta(seconds=timeout_s)
         try:
-            dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                    world_size=size, timeout=timeout)  # fmt: skip
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                    timeout=max(timeout, JOIN_TIMEOUT))  # fmt: skip
+            self.compute = dist.new_group(backend=backend, timeout=timeout)  # the collectives
             self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         except Exception as exc:  # a rank that never came up: the rendezvous timed out
             raise RankFailure(f"tensor parallel rendezvous failed at rank {rank}: {exc}") from exc
@@ -68,7 +72,7 @@ class TPGroup:
         if self.timing:
             return self._timed_all_reduce(x)
         try:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.compute)
         except Exception as exc:
             raise RankFailure(f"all-reduce failed at rank {self.rank}: {exc}", self) from exc
         return x
@@ -76,7 +80,7 @@ class TPGroup:
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise max of `x` over the ranks, in place (load time: int8 row scales)."""
         try:
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.compute)
         except Exception as exc:
             raise RankFailure(f"all-reduce (max) failed at rank {self.rank}: {exc}", self) from exc
         return x
@@ -87,7 +91,7 @@ class TPGroup:
         if x.device.type == "cuda":
             torch.cuda.synchronize(x.device)
         start = time.perf_counter()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.compute)
         if x.device.type == "cuda":
             torch.cuda.synchronize(x.device)
         self.all_reduce_seconds += time.perf_counter() - start
@@ -97,7 +101,7 @@ class TPGroup:
         """[..., V/N] on every rank -> [..., V] (rank order) on every rank."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
         try:
-            dist.all_gather(parts, x.contiguous())
+            dist.all_gather(parts, x.contiguous(), group=self.compute)
         except Exception as exc:
             raise RankFailure(f"logits gather failed at rank {self.rank}: {exc}", self) from exc
         return torch.cat(parts, dim=-1)
