@@ -136,8 +136,8 @@ class Engine(EngineSteps):
         if self.device.type == "cuda" and config.eager_warmup == "auto" and tp is None:
             budget = config.chunked_prefill_size or NO_CHUNKING_LIMIT
             warm_up_eager_shapes(self.runner, min(budget, self.max_model_len), config.max_num_seqs)
-            if config.cuda_graph_warmup_keys:
-                warm_up_graphs(self.runner, min(config.cuda_graph_warmup_keys, self.max_model_len))
+            if self._graph_warmup_keys():
+                warm_up_graphs(self.runner, self._graph_warmup_keys())
         self.block_manager = BlockManager(num_blocks, config.block_size)
         # a match must find the window before its end held: in payloads (windowed SWA caches)
         # or in blocks (paged, with the blocks behind the window given back); kv/radix_cache.py
@@ -222,11 +222,14 @@ class Engine(EngineSteps):
         graphs that sample requests with `params` (the server's defaults: a model's
         generation_config usually sets top_p / top_k), so its first requests do not stall on
         captures. Call before stepping starts; returns how many graphs it captured."""
-        keys = min(self.config.cuda_graph_warmup_keys, self.max_model_len)
-        if self.config.eager_warmup != "auto" or not keys:
+        head = graph_head_for(self.runner, params) if self._graph_warmup_keys() else None
+        return 0 if head is None else warm_up_graphs(self.runner, self._graph_warmup_keys(), [head])
+
+    def _graph_warmup_keys(self) -> int:
+        """Contexts up to this many tokens get their decode graphs at start-up (0: none)."""
+        if self.config.eager_warmup != "auto":
             return 0
-        head = graph_head_for(self.runner, params)
-        return 0 if head is None else warm_up_graphs(self.runner, keys, heads=[head])
+        return min(self.config.cuda_graph_warmup_keys, self.max_model_len)
 
     def add_request(
         self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None
