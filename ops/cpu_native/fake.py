@@ -1,0 +1,30 @@
+"""Fake (meta) impls of the native ops: shapes for torch.compile / the inductor-compiled step."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.register_fake("torch_runner_native::dense_linear")
+def _dense(x, w, bias, residual):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.register_fake("torch_runner_native::int8_linear")
+def _int8(x, qw, scales, k, bias, residual):
+    return x.new_empty(x.shape[0], qw.shape[0])
+
+
+@torch.library.register_fake("torch_runner_native::int4_linear")
+def _int4(x, qs, dm, bias, residual):
+    return x.new_empty(x.shape[0], qs.shape[0])
+
+
+@torch.library.register_fake("torch_runner_native::quantize_q8")
+def _quantize(x):
+    kp = -(-x.shape[1] // 32) * 32
+    return (
+        x.new_empty(x.shape[0], kp, dtype=torch.int8),
+        x.new_empty(x.shape[0], kp // 32, dtype=torch.float32),
+        x.new_empty(x.shape[0], kp // 32, dtype=torch.float32),
+    )
