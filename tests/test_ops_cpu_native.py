@@ -157,3 +157,25 @@ def test_engine_greedy_tokens_native_equal_the_reference_math(llama, monkeypatch
     monkeypatch.setattr(native_weights, "native_ops", lambda: None)
     reference_tokens, _ = run()
     assert native == reference_tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h", [576, 1536, 13])
+def test_fused_rms_norm_and_silu_mul_vs_torch_and_fp64(lib, dtype, h):
+    """The flat decoder's fused small ops: within fp32 rounding (one output rounding) of fp64
+    and of the torch ops they replace."""
+    from ops.norm import rms_norm
+
+    torch.manual_seed(h)
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-20
+    x, w = (torch.randn(3, h) * 3).to(dtype), torch.randn(h).to(dtype)
+    x64 = x.double()
+    want64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    got = lib.rms_norm(x, w, 1e-5)
+    assert ((got.double() - want64).abs() <= ulp * want64.abs() + 1e-6).all()
+    torch.testing.assert_close(got, rms_norm(x, w, 1e-5), rtol=2 * ulp, atol=1e-5)
+    gate_up = (torch.randn(3, 2 * h) * 4).to(dtype)
+    g, u = gate_up.double().chunk(2, dim=-1)
+    want64 = g * torch.sigmoid(g) * u
+    got = lib.silu_mul(gate_up)
+    assert ((got.double() - want64).abs() <= ulp * want64.abs() + 1e-6).all()

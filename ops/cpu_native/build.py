@@ -1,6 +1,6 @@
-"""Building and loading the native kernels (linear_kernels.cpp), and whether to use them.
+"""Building and loading the native kernels (linear_ and pointwise_kernels.cpp), and whether to use them.
 
-Why built on first use: `torch.utils.cpp_extension.load` compiles the one C++ file with ninja
+Why built on first use: `torch.utils.cpp_extension.load` compiles the two C++ files with ninja
 into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) the first time (seconds), later
 processes load the cached library. The kernels need AVX2 + FMA (x86-64); torch's own CPU
 capability probe says whether this CPU has them. TORCH_RUNNER_CPU_KERNELS=torch keeps every
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 KERNEL_MODES = ("native", "torch")
 KERNELS_ENV = "TORCH_RUNNER_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("linear_kernels.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("linear_kernels.cpp", "pointwise_kernels.cpp")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: at::parallel_for's threads
 
 
@@ -59,7 +59,7 @@ def native_ops():
 
         load(
             name="torch_runner_native",
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -69,7 +69,7 @@ def native_ops():
         logger.warning(
             "cpu_native: building %s failed (%s); linears run the torch reference of the same "
             "math (slower, same results)",
-            SOURCE.name,
+            ", ".join(p.name for p in SOURCES),
             str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
         )
         return None

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import torch
 
+import torch.nn.functional as F
+
 import ops
 from models.args import SLIDING_ATTENTION
 from models.layers import Attention, DecoderLayer, GatedMLP
 from ops.attention import CPU_FLASH
+from ops.cpu_native.weights import NativeWeight
 from ops.norm import rms_norm_unchecked
 
 
@@ -66,12 +69,27 @@ class FlatDecoder:
         # a decode row over its whole contiguous history needs no mask: the fused CPU kernel
         # straight away, as ops.attention itself ends up calling it (same call, same bits)
         self.flash = CPU_FLASH if ops.backends()["attention"] == "torch" else None
+        # native CPU weights (ops/cpu_native): the small ops too, one C++ pass each (rms_norm,
+        # silu * up) and bf16 attention in fp32 (AVX2 has no bf16 math); within rounding of
+        # the module path, no longer bit for bit
+        self.native, self.silu_mul = None, None
+        lib = getattr(self.layers[0][2], "lib", None) if self.layers else None
+        if (
+            is_torch_norm
+            and lib is not None
+            and all(isinstance(p[2], NativeWeight) for p in self.layers)
+        ):
+            self.native = lib
+            self.rms_norm = lib.rms_norm
+            if all(p[14] is F.silu for p in self.layers):
+                self.silu_mul = lib.silu_mul
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
         """Hidden [B, 1, H] for one token per row: input_ids, positions [B, 1] int64; caches:
         one PagedLayerView per layer (the pool slots of this step; `store_and_fetch`)."""
         rms_norm, attention, flash = self.rms_norm, ops.impl("attention"), self.flash
         linear, linear_add, reduce = ops.linear, ops.linear_add, self.all_reduce
+        silu_mul, upcast = self.silu_mul, self.native is not None
         b = input_ids.shape[0]
         h = self.embed(input_ids.view(b))  # [B, H]
         rope = self.rotary.at(positions, h.dtype)
@@ -85,7 +103,11 @@ class FlatDecoder:
             keys, values, layout = cache.store_and_fetch(qk[:, 0, hq:], qkv[:, 0, hq + hkv :])
             q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, 1, D]
             if layout.is_causal_tail and flash is not None:  # one row: every key visible
-                out = flash(q, keys, values, 0.0, False, attn_mask=None, scale=scale)[0]
+                if upcast and q.dtype == torch.bfloat16:  # fp32 math, rounded once
+                    out = flash(q.float(), keys.float(), values.float(), 0.0, False,
+                                attn_mask=None, scale=scale)[0].to(q.dtype)  # fmt: skip
+                else:
+                    out = flash(q, keys, values, 0.0, False, attn_mask=None, scale=scale)[0]
             else:
                 out = attention(q, keys, values, positions, layout, sm_scale=scale)
             out = out.transpose(1, 2).reshape(b, hq * d)
@@ -93,11 +115,16 @@ class FlatDecoder:
                 h = linear_add(out, o_w, o_b, h)
             else:
                 h = h + reduce(linear(out, o_w, o_b))
-            gate, up = linear(rms_norm(h, ln2, eps2), gu_w, gu_b).chunk(2, dim=-1)
-            if reduce is None:
-                h = linear_add(act(gate).mul_(up), down_w, down_b, h)
+            gate_up = linear(rms_norm(h, ln2, eps2), gu_w, gu_b)
+            if silu_mul is not None:
+                mixed = silu_mul(gate_up)
             else:
-                h = h + reduce(linear(act(gate).mul_(up), down_w, down_b))
+                gate, up = gate_up.chunk(2, dim=-1)
+                mixed = act(gate).mul_(up)
+            if reduce is None:
+                h = linear_add(mixed, down_w, down_b, h)
+            else:
+                h = h + reduce(linear(mixed, down_w, down_b))
         return rms_norm(h, self.final_norm.weight, self.final_norm.eps).view(b, 1, -1)
 
 
