@@ -17,7 +17,6 @@ shard, with the two all-reduces per layer the module path has.
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 import ops
