@@ -179,3 +179,40 @@ def test_fused_rms_norm_and_silu_mul_vs_torch_and_fp64(lib, dtype, h):
     want64 = g * torch.sigmoid(g) * u
     got = lib.silu_mul(gate_up)
     assert ((got.double() - want64).abs() <= ulp * want64.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_writes_the_pool_and_matches_fp64(lib, dtype):
+    """Rows of different lengths over scattered pool slots: the rotated k and v land in their
+    write slots, and the output is fp64 softmax attention over each row's first kv_len keys."""
+    from ops.rope import rope_tables, rotate
+
+    torch.manual_seed(0)
+    b, hq, hkv, d, s_max, pool_size = 3, 6, 2, 64, 9, 40
+    lens = torch.tensor([9, 1, 5])
+    slots = torch.randperm(pool_size)[: b * s_max].view(b, s_max)  # [B, S], distinct
+    write = slots[torch.arange(b), lens - 1]  # the new token: each row's last key
+    pool_k, pool_v = (torch.randn(pool_size, hkv, d).to(dtype) for _ in range(2))
+    qkv = torch.randn(b, (hq + 2 * hkv) * d).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rope_tables((lens - 1)[:, None], inv_freq, 1.0, dtype)  # [B, 1, 1, D]
+    want_k, want_v = pool_k.clone(), pool_v.clone()
+    rotated = rotate(qkv.view(b, 1, hq + 2 * hkv, d)[:, :, : hq + hkv], cos, sin)[:, 0]
+    want_k[write], want_v[write] = rotated[:, hq:], qkv.view(b, -1, d)[:, hq + hkv :]
+    got = lib.decode_attention(qkv, cos.reshape(b, d).contiguous(), sin.reshape(b, d).contiguous(),
+                               pool_k, pool_v, write, slots.reshape(-1).contiguous(), lens, hq, hkv,
+                               0.125)  # fmt: skip
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-20
+    # one rounding of x * cos + x2 * sin here, three in torch's bf16 `rotate`: an ulp of |x|
+    torch.testing.assert_close(pool_k, want_k, rtol=ulp, atol=8 * ulp)
+    assert torch.equal(pool_v, want_v)
+    for i in range(b):
+        keys = want_k[slots[i, : lens[i]]].double()  # [S, Hkv, D]
+        values = want_v[slots[i, : lens[i]]].double()
+        for h in range(hq):
+            q = rotated[i, h].double()
+            p = torch.softmax(keys[:, h // (hq // hkv)] @ q * 0.125, dim=0)
+            want = p @ values[:, h // (hq // hkv)]
+            err = (got[i, h * d : (h + 1) * d].double() - want).abs()
+            # bf16: q and k differ by an ulp of rounding (above), the output by half an ulp
+            assert (err <= 2 * ulp * want.abs() + 4 * ulp).all(), (i, h, err.max())

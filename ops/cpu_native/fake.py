@@ -38,3 +38,9 @@ def _rms_norm(x, w, eps):
 @torch.library.register_fake("torch_runner_native::silu_mul")
 def _silu_mul(gu):
     return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+
+
+@torch.library.register_fake("torch_runner_native::decode_attention")
+def _decode_attention(qkv, cos, ssin, pool_k, pool_v, write_slots, gather_slots, kv_lens, hq,
+                      hkv, scale):  # fmt: skip
+    return qkv.new_empty(qkv.shape[0], hq * pool_k.shape[2])

@@ -87,15 +87,22 @@ class FlatDecoder:
         """Hidden [B, 1, H] for one token per row: input_ids, positions [B, 1] int64; caches:
         one PagedLayerView per layer (the pool slots of this step; `store_and_fetch`)."""
         rms_norm, attention, flash = self.rms_norm, ops.impl("attention"), self.flash
-        linear, linear_add, reduce = ops.linear, ops.linear_add, self.all_reduce
-        silu_mul, upcast = self.silu_mul, self.native is not None
+        linear, upcast = ops.linear, self.native is not None
         b = input_ids.shape[0]
         h = self.embed(input_ids.view(b))  # [B, H]
         rope = self.rotary.at(positions, h.dtype)
+        tables = self._native_attention_tables(rope, caches)  # (cos, sin) [B, D] or None
         for plan, cache in zip(self.layers, caches):
-            (ln1, eps1, qkv_w, qkv_b, hq, hkv, d, scale, o_w, o_b, ln2, eps2, gu_w, gu_b, act,
-             down_w, down_b) = plan  # fmt: skip
+            ln1, eps1, qkv_w, qkv_b, hq, hkv, d, scale, o_w, o_b = plan[:10]
             x = rms_norm(h, ln1, eps1)
+            if tables is not None:  # rope, K/V write and attention: one native op
+                meta, pool = cache.meta, cache.pool
+                out = self.native.decode_attention(
+                    linear(x, qkv_w, qkv_b), *tables, pool.k_layers[cache.layer],
+                    pool.v_layers[cache.layer], meta.write_slots, meta.gather_slots,
+                    meta.kv_lens, hq, hkv, scale)  # fmt: skip
+                h = self._mlp(self._o_proj(out, o_w, o_b, h), plan)
+                continue
             qkv = linear(x, qkv_w, qkv_b).view(b, 1, hq + 2 * hkv, d)
             qk = rope(qkv[:, :, : hq + hkv])  # [B, 1, Hq + Hkv, D]
             # this step's K/V [B, Hkv, D] into the pool; every row's keys [B, Hkv, S, D]
@@ -110,21 +117,48 @@ class FlatDecoder:
             else:
                 out = attention(q, keys, values, positions, layout, sm_scale=scale)
             out = out.transpose(1, 2).reshape(b, hq * d)
-            if reduce is None:
-                h = linear_add(out, o_w, o_b, h)
-            else:
-                h = h + reduce(linear(out, o_w, o_b))
-            gate_up = linear(rms_norm(h, ln2, eps2), gu_w, gu_b)
-            if silu_mul is not None:
-                mixed = silu_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                mixed = act(gate).mul_(up)
-            if reduce is None:
-                h = linear_add(mixed, down_w, down_b, h)
-            else:
-                h = h + reduce(linear(mixed, down_w, down_b))
+            h = self._mlp(self._o_proj(out, o_w, o_b, h), plan)
         return rms_norm(h, self.final_norm.weight, self.final_norm.eps).view(b, 1, -1)
+
+    def _native_attention_tables(self, rope, caches):
+        """(cos, signed sin) [B, D] when this step's attention can be the native decode op: native
+        weights, torch rope tables over the whole head, paged caches, one new token per row."""
+        if self.native is None or self.flash is None or rope.cos is None or not caches:
+            return None
+        meta = getattr(caches[0], "meta", None)
+        d = self.layers[0][6]
+        if meta is None or not meta.is_dense or meta.shape[1] != 1 or rope.cos.shape[-1] != d:
+            return None
+        if d % 8:
+            return None
+        b = meta.shape[0]
+        return rope.cos.reshape(b, d).contiguous(), rope.sin.reshape(b, d).contiguous()
+
+    def _o_proj(self, out, o_w, o_b, h):
+        """h + out @ o_proj (summed over the tensor-parallel ranks first)."""
+        if self.all_reduce is None:
+            return ops.linear_add(out, o_w, o_b, h)
+        return h + self.all_reduce(ops.linear(out, o_w, o_b))
+
+    def _mlp(self, h, plan):
+        """h + the gated MLP of rms_norm(h) (down_proj summed over the ranks first)."""
+        ln2, eps2, gu_w, gu_b, down_w, down_b = (
+            plan[10],
+            plan[11],
+            plan[12],
+            plan[13],
+            plan[15],
+            plan[16],
+        )
+        gate_up = ops.linear(self.rms_norm(h, ln2, eps2), gu_w, gu_b)
+        if self.silu_mul is not None:
+            mixed = self.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            mixed = plan[14](gate).mul_(up)
+        if self.all_reduce is None:
+            return ops.linear_add(mixed, down_w, down_b, h)
+        return h + self.all_reduce(ops.linear(mixed, down_w, down_b))
 
 
 def _layer_plan(layer) -> tuple:
