@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from models.layers import Attention, GatedMLP, PackedHead
+from ops.cpu_native.build import wants_native
+from ops.cpu_native.weights import NativeInt4Weight, NativeInt8Weight
 from ops.quant.int_linear import (
     Int8Weight,
     QuantizedLinearWeight,
@@ -73,6 +75,8 @@ def quantize_linears(
 
     def quantize(weight: torch.Tensor, name: str, parts=()) -> QuantizedLinearWeight | torch.Tensor:
         out = quantize_one(weight, name, parts)
+        if isinstance(out, Int8Weight) and wants_native(out.device):  # AVX2 CPU: q8 activations
+            out = NativeInt8Weight(out.qweight, out.scales, weight.dtype)
         if ROUND_FP32_ACTIVATIONS and isinstance(out, QuantizedLinearWeight):
             out.set_compute_dtype(activation_dtype(weight.dtype, out.device))  # weight: maybe meta
         return_freed_memory()  # the sources and temporaries just freed (glibc keeps them)
@@ -92,7 +96,7 @@ def quantize_linears(
             found = [int4_sources.pop(n) for n in names]  # freed once packed
             codes, scales, zeros = (torch.cat(a) for a in zip(*found))
             del found
-            return pack_int4(codes, scales, zeros, INT4_GROUP_SIZE, weight.dtype)
+            return _pack_int4(codes, scales, zeros, weight.dtype)
         if mode == "int4":
             try:
                 check_int4_shape(*weight.shape, INT4_GROUP_SIZE)
@@ -171,7 +175,15 @@ def quantize_rows(weight: torch.Tensor, mode: str, group_size: int) -> Quantized
     for row in range(0, n, step):
         rows = slice(row, row + step)
         codes[rows], scales[rows], zeros[rows] = int4_codes(weight[rows], group_size)
-    return pack_int4(codes, scales, zeros, group_size, weight.dtype)
+    return _pack_int4(codes, scales, zeros, weight.dtype, group_size)
+
+
+def _pack_int4(codes, scales, zeros, dtype, group_size: int = INT4_GROUP_SIZE):
+    """Torch's packed int4, or on an AVX2 CPU the native kernels' format (ops/cpu_native: q8
+    activations, fp32 scale and min per 32 columns)."""
+    if wants_native(codes.device):
+        return NativeInt4Weight.from_codes(codes, scales, zeros, group_size, dtype)
+    return pack_int4(codes, scales, zeros, group_size, dtype)
 
 
 def return_freed_memory() -> None:

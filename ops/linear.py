@@ -141,6 +141,6 @@ def linear_add(
     rounded once either way), which saves a pass and a kernel call per residual branch."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
-    if weight.is_quantized:
-        return weight.linear(x, bias).add_(residual)
+    if weight.is_quantized:  # the native CPU weights add it inside their kernel (ops/cpu_native)
+        return weight.linear_add(x, bias, residual)
     return F.linear(x, weight, bias).add_(residual)

@@ -22,6 +22,15 @@ def exact_fp32(monkeypatch):
 
     monkeypatch.setattr(quantize, "ROUND_FP32_ACTIVATIONS", False)
     monkeypatch.setenv("TORCH_RUNNER_EXACT_FP32_QUANT", "1")  # spawned tensor-parallel ranks
+    # torch's kernels: the native CPU ones (ops/cpu_native) round activations to q8 blocks
+    monkeypatch.setenv("TORCH_RUNNER_CPU_KERNELS", "torch")
+
+
+@pytest.fixture
+def torch_cpu_kernels(monkeypatch):
+    """CPU linears on torch's kernels (ops/quant/int_linear.py formats, oneDNN packing), not the
+    native ones (ops/cpu_native), for tests that pin the torch path's own numerics."""
+    monkeypatch.setenv("TORCH_RUNNER_CPU_KERNELS", "torch")
 
 
 @pytest.fixture(scope="module")

@@ -160,7 +160,7 @@ def test_a_q4_group_with_a_non_q4_part_is_re_quantized_from_dense(tmp_path, exac
     torch.testing.assert_close(got, hf(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_quantize_rows_equals_quantizing_the_whole_matrix(monkeypatch):
+def test_quantize_rows_equals_quantizing_the_whole_matrix(monkeypatch, torch_cpu_kernels):
     from models import quantize
     from ops.quant.int_linear import quantize_int4, quantize_int8
 

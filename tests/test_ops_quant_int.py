@@ -23,7 +23,7 @@ from ops.quant.int_linear import (
     quantize_weight,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "torch_cpu_kernels")  # torch formats
 
 
 def weight(n=96, k=128, seed=0):

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from ops.cpu_native.build import wants_native
+
 PAIRS = [  # (ours: dtype, quantization), llama.cpp outtype
     (("float32", "none"), "f32"),
     (("bfloat16", "none"), "bf16"),
@@ -228,10 +230,12 @@ def main() -> None:
                 else:
                     theirs.append(llama_tok_s(llm, prompt, args.gen_len))
         a, b = statistics.median(ours), statistics.median(theirs)
-        label = dtype if quant == "none" else f"{quant} ({dtype} activations)"
-        label += f", {path}"
+        native = wants_native("cpu")  # ops/cpu_native: int8 / int4 take q8 activation blocks
+        acts = "q8 activations" if native else f"{dtype} activations"
+        label = dtype if quant == "none" else f"{quant} ({dtype} model, {acts})"
+        label += f", {path}, {'native' if native else 'torch'} kernels"
         if dtype == "auto":
-            label = f"default (the Q4_1 GGUF as int4, bf16 activations), {path}"
+            label = f"default (the Q4_1 GGUF as int4, {acts}), {path}"
         print(f"| {label} | {a:.1f} ({min(ours):.0f}-{max(ours):.0f}) | {rss1 - rss0:.0f} | "
               f"{outtype} | {b:.1f} ({min(theirs):.0f}-{max(theirs):.0f}) | {rss2 - rss1:.0f} | "
               f"{a / b:.2f} |", flush=True)  # fmt: skip

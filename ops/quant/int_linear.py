@@ -59,6 +59,10 @@ class QuantizedLinearWeight:
         out = out.view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out.add_(bias)
 
+    def linear_add(self, x, bias, residual) -> torch.Tensor:
+        """`linear(x, bias) + residual`."""
+        return self.linear(x, bias).add_(residual)
+
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
         """Run the kernel on `dtype` activations (the scales get a copy in `dtype`)."""
         self.compute_dtype = dtype

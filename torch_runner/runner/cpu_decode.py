@@ -17,11 +17,13 @@ shard, with the two all-reduces per layer the module path has.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import ops
 from models.args import SLIDING_ATTENTION
 from models.layers import Attention, DecoderLayer, GatedMLP
 from ops.attention import CPU_FLASH
+from ops.cpu_native.weights import NativeWeight
 from ops.norm import rms_norm_unchecked
 
 
@@ -66,39 +68,97 @@ class FlatDecoder:
         # a decode row over its whole contiguous history needs no mask: the fused CPU kernel
         # straight away, as ops.attention itself ends up calling it (same call, same bits)
         self.flash = CPU_FLASH if ops.backends()["attention"] == "torch" else None
+        # native CPU weights (ops/cpu_native): the small ops too, one C++ pass each (rms_norm,
+        # silu * up) and bf16 attention in fp32 (AVX2 has no bf16 math); within rounding of
+        # the module path, no longer bit for bit
+        self.native, self.silu_mul = None, None
+        lib = getattr(self.layers[0][2], "lib", None) if self.layers else None
+        if (
+            is_torch_norm
+            and lib is not None
+            and all(isinstance(p[2], NativeWeight) for p in self.layers)
+        ):
+            self.native = lib
+            self.rms_norm = lib.rms_norm
+            if all(p[14] is F.silu for p in self.layers):
+                self.silu_mul = lib.silu_mul
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
         """Hidden [B, 1, H] for one token per row: input_ids, positions [B, 1] int64; caches:
         one PagedLayerView per layer (the pool slots of this step; `store_and_fetch`)."""
         rms_norm, attention, flash = self.rms_norm, ops.impl("attention"), self.flash
-        linear, linear_add, reduce = ops.linear, ops.linear_add, self.all_reduce
+        linear, upcast = ops.linear, self.native is not None
         b = input_ids.shape[0]
         h = self.embed(input_ids.view(b))  # [B, H]
         rope = self.rotary.at(positions, h.dtype)
+        tables = self._native_attention_tables(rope, caches)  # (cos, sin) [B, D] or None
         for plan, cache in zip(self.layers, caches):
-            (ln1, eps1, qkv_w, qkv_b, hq, hkv, d, scale, o_w, o_b, ln2, eps2, gu_w, gu_b, act,
-             down_w, down_b) = plan  # fmt: skip
+            ln1, eps1, qkv_w, qkv_b, hq, hkv, d, scale, o_w, o_b = plan[:10]
             x = rms_norm(h, ln1, eps1)
+            if tables is not None:  # rope, K/V write and attention: one native op
+                meta, pool = cache.meta, cache.pool
+                out = self.native.decode_attention(
+                    linear(x, qkv_w, qkv_b), *tables, pool.k_layers[cache.layer],
+                    pool.v_layers[cache.layer], meta.write_slots, meta.gather_slots,
+                    meta.kv_lens, hq, hkv, scale)  # fmt: skip
+                h = self._mlp(self._o_proj(out, o_w, o_b, h), plan)
+                continue
             qkv = linear(x, qkv_w, qkv_b).view(b, 1, hq + 2 * hkv, d)
             qk = rope(qkv[:, :, : hq + hkv])  # [B, 1, Hq + Hkv, D]
             # this step's K/V [B, Hkv, D] into the pool; every row's keys [B, Hkv, S, D]
             keys, values, layout = cache.store_and_fetch(qk[:, 0, hq:], qkv[:, 0, hq + hkv :])
             q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, 1, D]
             if layout.is_causal_tail and flash is not None:  # one row: every key visible
-                out = flash(q, keys, values, 0.0, False, attn_mask=None, scale=scale)[0]
+                if upcast and q.dtype == torch.bfloat16:  # fp32 math, rounded once
+                    out = flash(q.float(), keys.float(), values.float(), 0.0, False,
+                                attn_mask=None, scale=scale)[0].to(q.dtype)  # fmt: skip
+                else:
+                    out = flash(q, keys, values, 0.0, False, attn_mask=None, scale=scale)[0]
             else:
                 out = attention(q, keys, values, positions, layout, sm_scale=scale)
             out = out.transpose(1, 2).reshape(b, hq * d)
-            if reduce is None:
-                h = linear_add(out, o_w, o_b, h)
-            else:
-                h = h + reduce(linear(out, o_w, o_b))
-            gate, up = linear(rms_norm(h, ln2, eps2), gu_w, gu_b).chunk(2, dim=-1)
-            if reduce is None:
-                h = linear_add(act(gate).mul_(up), down_w, down_b, h)
-            else:
-                h = h + reduce(linear(act(gate).mul_(up), down_w, down_b))
+            h = self._mlp(self._o_proj(out, o_w, o_b, h), plan)
         return rms_norm(h, self.final_norm.weight, self.final_norm.eps).view(b, 1, -1)
+
+    def _native_attention_tables(self, rope, caches):
+        """(cos, signed sin) [B, D] when this step's attention can be the native decode op: native
+        weights, torch rope tables over the whole head, paged caches, one new token per row."""
+        if self.native is None or self.flash is None or rope.cos is None or not caches:
+            return None
+        meta = getattr(caches[0], "meta", None)
+        d = self.layers[0][6]
+        if meta is None or not meta.is_dense or meta.shape[1] != 1 or rope.cos.shape[-1] != d:
+            return None
+        if d % 8:
+            return None
+        b = meta.shape[0]
+        return rope.cos.reshape(b, d).contiguous(), rope.sin.reshape(b, d).contiguous()
+
+    def _o_proj(self, out, o_w, o_b, h):
+        """h + out @ o_proj (summed over the tensor-parallel ranks first)."""
+        if self.all_reduce is None:
+            return ops.linear_add(out, o_w, o_b, h)
+        return h + self.all_reduce(ops.linear(out, o_w, o_b))
+
+    def _mlp(self, h, plan):
+        """h + the gated MLP of rms_norm(h) (down_proj summed over the ranks first)."""
+        ln2, eps2, gu_w, gu_b, down_w, down_b = (
+            plan[10],
+            plan[11],
+            plan[12],
+            plan[13],
+            plan[15],
+            plan[16],
+        )
+        gate_up = ops.linear(self.rms_norm(h, ln2, eps2), gu_w, gu_b)
+        if self.silu_mul is not None:
+            mixed = self.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            mixed = plan[14](gate).mul_(up)
+        if self.all_reduce is None:
+            return ops.linear_add(mixed, down_w, down_b, h)
+        return h + self.all_reduce(ops.linear(mixed, down_w, down_b))
 
 
 def _layer_plan(layer) -> tuple:

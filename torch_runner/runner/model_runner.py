@@ -17,6 +17,9 @@ import torch
 
 import ops
 from models.layers import pack_linear_weights
+from models.native_weights import DTYPES as NATIVE_DTYPES
+from models.native_weights import native_linear_weights
+from ops.cpu_native.build import wants_native
 from ops.sampling.batch import SamplingBatch
 from torch_runner.kv.caches import (
     CacheLayout,
@@ -105,10 +108,15 @@ class ModelRunner:
         self.model = loaded.model
         # a ShardPlan (torch_runner/distributed): this rank's KV heads, logits gathered over ranks
         self.tensor_parallel = tensor_parallel
+        is_dense = device.type == "cpu" and not _has_quantized_linears(self.model)
+        # AVX2 CPU: the native GEMV (ops/cpu_native; TORCH_RUNNER_CPU_KERNELS=torch: off)
+        self.is_native = is_dense and wants_native(device) and dtype in NATIVE_DTYPES
+        if self.is_native:
+            native_linear_weights(self.model)
         self.is_packed = (  # quantized linears use their own kernels (ops/quant/int_linear.py)
-            device.type == "cpu"
+            is_dense
+            and not self.is_native
             and config.weight_packing == "auto"
-            and not _has_quantized_linears(self.model)
             and ops.can_pack(dtype)
         )
         if self.is_packed:  # oneDNN-packed matmul weights (ops/linear.py): faster CPU decode

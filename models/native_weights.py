@@ -1,0 +1,63 @@
+"""Dense fp32 / bf16 decode matmuls onto the native CPU GEMV (ops/cpu_native), in place.
+
+Why: on the AVX2-only box MKL / oneDNN streamed the batch-1 matrices at 12-19 GB/s around a
+large per-call overhead; the native GEMV is the same fp32-accumulated product (summation order
+aside) without it (docs/performance-log.md, 2026-12-03 cpunative). Each weight is wrapped, not
+copied (NativeDenseWeight keeps the tensor), so the q/k/v and gate/up views stay valid; a
+prefill's product of many rows still runs MKL through F.linear. int8 / int4 weights get their
+native formats where models/quantize.py packs them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.layers import Attention, GatedMLP, PackedHead
+from ops.cpu_native.weights import NativeDenseWeight
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def native_linear_weights(model: nn.Module) -> int:
+    """Wrap every fused q/k/v and gate/up matrix, o_proj, down_proj and the lm_head (a tied one:
+    the embedding matrix, shared) in NativeDenseWeight; returns how many were wrapped."""
+    count = 0
+
+    def wrap(weight):
+        nonlocal count
+        if not isinstance(weight, torch.Tensor) or weight.dtype not in DTYPES:
+            return weight
+        count += 1
+        return NativeDenseWeight(weight)
+
+    def wrap_param(linear: nn.Linear) -> None:
+        value = wrap(linear.weight)
+        if not isinstance(value, torch.Tensor):
+            del linear.weight  # a parameter slot only takes tensors
+            linear.weight = value
+
+    def wrap_buffer(module: nn.Module, name: str) -> None:
+        value = wrap(getattr(module, name))
+        if not isinstance(value, torch.Tensor):
+            module._buffers.pop(name, None)
+            setattr(module, name, value)
+
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            if module.qkv_weight is None:
+                module.fuse()
+            wrap_buffer(module, "qkv_weight")
+            wrap_param(module.o_proj)
+        elif isinstance(module, GatedMLP):
+            if module.gate_up_weight is None:
+                module.fuse()
+            wrap_buffer(module, "gate_up_weight")
+            wrap_param(module.down_proj)
+    head = getattr(model, "lm_head", False)
+    if head is None:  # tied: the embedding is also the lm_head
+        model.lm_head = PackedHead(model.model.embed_tokens.weight)
+        wrap_buffer(model.lm_head, "weight")
+    elif isinstance(head, nn.Linear):
+        wrap_param(head)
+    return count

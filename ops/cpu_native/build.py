@@ -1,0 +1,78 @@
+"""Building and loading the native kernels (linear_ and pointwise_kernels.cpp), and whether to use them.
+
+Why built on first use: `torch.utils.cpp_extension.load` compiles the two C++ files with ninja
+into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) the first time (seconds), later
+processes load the cached library. The kernels need AVX2 + FMA (x86-64); torch's own CPU
+capability probe says whether this CPU has them. TORCH_RUNNER_CPU_KERNELS=torch keeps every
+CPU linear on torch's kernels (oneDNN / MKL / `_weight_int*pack_mm`), the behaviour before.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KERNEL_MODES = ("native", "torch")
+KERNELS_ENV = "TORCH_RUNNER_CPU_KERNELS"
+SOURCES = [Path(__file__).with_name(n) for n in ("linear_kernels.cpp", "pointwise_kernels.cpp")]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: at::parallel_for's threads
+
+
+def kernel_mode() -> str:
+    """TORCH_RUNNER_CPU_KERNELS (default native), validated."""
+    mode = os.environ.get(KERNELS_ENV, "native")
+    if mode not in KERNEL_MODES:
+        raise ValueError(
+            f"{KERNELS_ENV}={mode!r} is invalid; allowed values: {', '.join(KERNEL_MODES)}"
+        )
+    return mode
+
+
+def has_avx2() -> bool:
+    """True on an x86-64 CPU whose torch capability is AVX2 or better (AVX2 implies FMA there)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def wants_native(device) -> bool:
+    """True when CPU linears on `device` should take the native weight formats (ops/cpu_native)."""
+    return torch.device(device).type == "cpu" and kernel_mode() == "native" and has_avx2()
+
+
+@functools.cache
+def native_ops():
+    """torch.ops.torch_runner_native once the library is built and loaded, else None (said once:
+    the weights then run the pure-torch reference of the same math, ops/cpu_native/reference.py)."""
+    if not has_avx2():
+        logger.warning("cpu_native: this CPU has no AVX2+FMA; linears run the torch reference")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name="torch_runner_native",
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError, SystemExit) as exc:  # no compiler / ninja
+        logger.warning(
+            "cpu_native: building %s failed (%s); linears run the torch reference of the same "
+            "math (slower, same results)",
+            ", ".join(p.name for p in SOURCES),
+            str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+        )
+        return None
+    from ops.cpu_native import fake  # noqa: F401  (fake impls: the compiled step traces them)
+
+    return torch.ops.torch_runner_native

@@ -1,0 +1,128 @@
+"""Linear weights in the native kernels' formats; `ops.linear` / `ops.linear_add` call them.
+
+Dense fp32 / bf16 keep the tensor they wrap (no copy): a product of up to DENSE_MAX_ROWS rows
+(decode) runs the native GEMV, a longer one (prefill) MKL through F.linear. int8 / int4 weights
+are re-packed once at load (linear_kernels.cpp says the layouts) and every product of theirs, of
+any row count, runs the q8-activation math (reference.py), natively or, without the library,
+through the reference (same results).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ops.cpu_native import reference
+from ops.cpu_native.build import native_ops
+from ops.quant.int_linear import QuantizedLinearWeight
+
+DENSE_MAX_ROWS = 8  # more rows: MKL's GEMM reuses the weights better than the per-row GEMV
+
+
+class NativeWeight(QuantizedLinearWeight):
+    """Base: `linear_add` adds the residual inside the kernel (one rounding, no extra pass)."""
+
+    def __init__(self, out_features: int, in_features: int, dtype, device):
+        super().__init__(out_features, in_features, dtype, device)
+        # torch.ops.torch_runner_native, or None (the reference); resolved here, not per call,
+        # so the compiled step (torch.compile) sees a plain attribute
+        self.lib = native_ops()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.linear_add(x, bias, None)
+
+    def linear_add(self, x, bias, residual) -> torch.Tensor:
+        flat = x.reshape(-1, self.shape[1]).contiguous()  # [M, K]
+        res = None if residual is None else residual.reshape(flat.shape[0], -1).contiguous()
+        return self.run(flat, bias, res).view(*x.shape[:-1], self.shape[0])
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """No-op: the q8 activation rounding is this format's own (it needs no bf16 rounding)."""
+
+    def run(self, x, bias, residual) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class NativeDenseWeight(NativeWeight):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(*weight.shape, weight.dtype, weight.device)
+        self.weight = weight.detach().contiguous()  # [N, K] fp32 or bf16
+
+    def run(self, x, bias, residual):
+        lib = self.lib
+        if x.shape[0] <= DENSE_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+            if lib is not None:
+                return lib.dense_linear(x, self.weight, bias, residual)
+            return reference.dense_linear(x, self.weight, bias, residual)
+        out = F.linear(x, self.weight.to(x.dtype), bias)
+        return out if residual is None else out.add_(residual)
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+class NativeInt8Weight(NativeWeight):
+    """Per-row int8: qweight [N, Kp] (zero columns past K), fp32 scales [N]."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+        n, k = qweight.shape
+        super().__init__(n, k, dtype, qweight.device)
+        if qweight.numel() and int(qweight.min()) == -128:
+            raise ValueError(
+                "int8 weight: the native kernel takes codes in -127..127; this weight holds -128"
+            )
+        kp = -(-k // reference.BLOCK) * reference.BLOCK
+        self.qweight = F.pad(qweight, (0, kp - k)).contiguous()
+        self.scales = scales.float().contiguous()
+
+    def run(self, x, bias, residual):
+        k, lib = self.shape[1], self.lib
+        if lib is not None:
+            return lib.int8_linear(x, self.qweight, self.scales, k, bias, residual)
+        return reference.int8_linear(x, self.qweight, self.scales, k, bias, residual)
+
+    def dequantize(self) -> torch.Tensor:
+        return reference.int8_weight(self.qweight, self.scales, self.shape[1]).to(self.dtype)
+
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+
+class NativeInt4Weight(NativeWeight):
+    """Per 32 columns: qs [N, K/32, 16] uint8 codes, dm [N, K/32, 2] fp16 (scale, min), as
+    llama.cpp's Q4_1 blocks (a GGUF's Q4_1 d / m are fp16 already: kept exactly)."""
+
+    def __init__(self, qs: torch.Tensor, dm: torch.Tensor, dtype: torch.dtype):
+        n, nb, _ = qs.shape
+        super().__init__(n, nb * reference.BLOCK, dtype, qs.device)
+        self.qs, self.dm = qs.contiguous(), dm.contiguous()
+
+    @classmethod
+    def from_codes(cls, codes, scales, zeros, group_size: int, dtype) -> NativeInt4Weight:
+        """Codes [N, K] 0..15 with scales / zeros [N, K/g] (w = (code - 8) * scale + zero)."""
+        n, k = codes.shape
+        if k % reference.BLOCK or group_size % reference.BLOCK:
+            raise ValueError(
+                f"native int4: K={k} and group_size={group_size} must be multiples of 32"
+            )
+        per = group_size // reference.BLOCK  # 32-blocks per group
+        scale = scales.float().repeat_interleave(per, dim=1)  # [N, K/32]
+        low = zeros.float().repeat_interleave(per, dim=1) - 8 * scale
+        blocks = codes.to(torch.uint8).view(n, k // reference.BLOCK, reference.BLOCK)
+        qs = blocks[..., :16] | (blocks[..., 16:] << 4)
+        dm = torch.stack([scale, low], dim=-1).to(torch.float16)
+        if not torch.isfinite(dm).all():
+            raise ValueError("native int4: a scale or min is outside float16's range (65504)")
+        return cls(qs, dm, dtype)
+
+    def run(self, x, bias, residual):
+        lib = self.lib
+        if lib is not None:
+            return lib.int4_linear(x, self.qs, self.dm, bias, residual)
+        return reference.int4_linear(x, self.qs, self.dm, bias, residual)
+
+    def dequantize(self) -> torch.Tensor:
+        return reference.int4_weight(self.qs, self.dm).to(self.dtype)
+
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.dm.nbytes
