@@ -231,6 +231,13 @@ def serving_flags(add: Adder, d: dict[str, Any]) -> None:
         "before the rest are ended with an error. Default: %(default)s.",
     )
     add(
+        "--skip-server-warmup",
+        action="store_true",
+        help="Do not send the start-up warm-up request (one greedy 2-token request per "
+        "route, in process, before the port accepts; it takes the first-use costs out of "
+        "the first client's latency).",
+    )
+    add(
         "--log-level",
         "--uvicorn-log-level",
         default="info",

@@ -136,6 +136,7 @@ def run_server(
     from torch_runner.distributed.group import torchrun_env
     from torch_runner.serve.app import create_app
     from torch_runner.serve.drain import DrainingServer
+    from torch_runner.serve.self_warmup import warm_up_server
 
     if config.tensor_parallel_size > 1 and (torchrun_env() or (0,))[0] > 0:
         Engine.from_config(config)  # a torchrun rank > 0 serves steps in here, then exits
@@ -177,6 +178,8 @@ def run_server(
             print(f"error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         app = create_app(state)
+        if not args.skip_server_warmup:
+            warm_up_server(app, state.model_name, args.api_key)
         url = f"http://{args.host}:{sock.getsockname()[1]}"
         print(banner(state, engine, ops.backends(), url), flush=True)
         config = uvicorn.Config(
