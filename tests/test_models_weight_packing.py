@@ -21,9 +21,13 @@ import ops
 from models.layers import Attention, GatedMLP, pack_linear_weights
 from torch_runner import Engine, SamplingParams
 
-pytestmark = pytest.mark.skipif(
-    not ops.can_pack(torch.float32), reason="this torch build / CPU cannot pack fp32 weights"
-)
+# the oneDNN packing is the torch kernels' path; the native ones (ops/cpu_native) wrap the weights
+pytestmark = [
+    pytest.mark.skipif(
+        not ops.can_pack(torch.float32), reason="this torch build / CPU cannot pack fp32 weights"
+    ),
+    pytest.mark.usefixtures("torch_cpu_kernels"),
+]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

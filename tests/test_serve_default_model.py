@@ -13,7 +13,10 @@ from openai import OpenAI
 from serve_fixtures import MODEL_NAME, ServerProcess, save_serve_checkpoint
 
 pytestmark = pytest.mark.slow
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# "Answer in one word.": without it the first token of this 135M Q4_1 model is a close call
+# (bf16-activation kernels: "The" by 0.12 nats; the q8-activation kernels, as llama.cpp on the
+# same GGUF, start "L'Étoile, ..."); with it both, and llama.cpp, answer "... Paris."
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
 def test_embedded_default_model_answers_through_the_openai_client(tmp_path):

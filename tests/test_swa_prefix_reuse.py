@@ -45,8 +45,10 @@ def _assert_same(warm, cold, hf, prompt):
     assert warm.token_ids == cold.token_ids == hf_greedy(hf, prompt, len(cold.token_ids))
     # fp32: KV computed in other chunk shapes (decode, a restored window) rounds differently,
     # up to 4.9e-5 here and as much with swa_kv="paged" (the pool's own KV, no window copies);
-    # a window off by one token moves them by more than 1e-2
-    assert _logprobs(warm) == pytest.approx(_logprobs(cold), abs=1e-4)
+    # a window off by one token moves them by more than 1e-2. With the native CPU kernels
+    # (ops/cpu_native) a warm suffix of <= 8 rows runs the native GEMV where the cold prompt
+    # runs MKL: up to 1.3e-4 apart
+    assert _logprobs(warm) == pytest.approx(_logprobs(cold), abs=3e-4)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -73,6 +73,8 @@ def native_ops():
             str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
         )
         return None
-    from ops.cpu_native import fake  # noqa: F401  (fake impls: the compiled step traces them)
+    from ops.cpu_native import fake
+
+    fake.register()  # fake impls: the compiled step traces them
 
     return torch.ops.torch_runner_native

@@ -5,42 +5,40 @@ from __future__ import annotations
 import torch
 
 
-@torch.library.register_fake("torch_runner_native::dense_linear")
-def _dense(x, w, bias, residual):
-    return x.new_empty(x.shape[0], w.shape[0])
+def register() -> None:
+    """Register the fake impls; build.native_ops calls it once the library has defined the ops
+    (at import time they do not exist yet, so importing this module alone registers nothing)."""
 
+    @torch.library.register_fake("torch_runner_native::dense_linear")
+    def _dense(x, w, bias, residual):
+        return x.new_empty(x.shape[0], w.shape[0])
 
-@torch.library.register_fake("torch_runner_native::int8_linear")
-def _int8(x, qw, scales, k, bias, residual):
-    return x.new_empty(x.shape[0], qw.shape[0])
+    @torch.library.register_fake("torch_runner_native::int8_linear")
+    def _int8(x, qw, scales, k, bias, residual):
+        return x.new_empty(x.shape[0], qw.shape[0])
 
+    @torch.library.register_fake("torch_runner_native::int4_linear")
+    def _int4(x, qs, dm, bias, residual):
+        return x.new_empty(x.shape[0], qs.shape[0])
 
-@torch.library.register_fake("torch_runner_native::int4_linear")
-def _int4(x, qs, dm, bias, residual):
-    return x.new_empty(x.shape[0], qs.shape[0])
+    @torch.library.register_fake("torch_runner_native::quantize_q8")
+    def _quantize(x):
+        kp = -(-x.shape[1] // 32) * 32
+        return (
+            x.new_empty(x.shape[0], kp, dtype=torch.int8),
+            x.new_empty(x.shape[0], kp // 32, dtype=torch.float32),
+            x.new_empty(x.shape[0], kp // 32, dtype=torch.float32),
+        )
 
+    @torch.library.register_fake("torch_runner_native::rms_norm")
+    def _rms_norm(x, w, eps):
+        return torch.empty_like(x)
 
-@torch.library.register_fake("torch_runner_native::quantize_q8")
-def _quantize(x):
-    kp = -(-x.shape[1] // 32) * 32
-    return (
-        x.new_empty(x.shape[0], kp, dtype=torch.int8),
-        x.new_empty(x.shape[0], kp // 32, dtype=torch.float32),
-        x.new_empty(x.shape[0], kp // 32, dtype=torch.float32),
-    )
+    @torch.library.register_fake("torch_runner_native::silu_mul")
+    def _silu_mul(gu):
+        return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
 
-
-@torch.library.register_fake("torch_runner_native::rms_norm")
-def _rms_norm(x, w, eps):
-    return torch.empty_like(x)
-
-
-@torch.library.register_fake("torch_runner_native::silu_mul")
-def _silu_mul(gu):
-    return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
-
-
-@torch.library.register_fake("torch_runner_native::decode_attention")
-def _decode_attention(qkv, cos, ssin, pool_k, pool_v, write_slots, gather_slots, kv_lens, hq,
-                      hkv, scale):  # fmt: skip
-    return qkv.new_empty(qkv.shape[0], hq * pool_k.shape[2])
+    @torch.library.register_fake("torch_runner_native::decode_attention")
+    def _decode_attention(qkv, cos, ssin, pool_k, pool_v, write_slots, gather_slots, kv_lens, hq,
+                          hkv, scale):  # fmt: skip
+        return qkv.new_empty(qkv.shape[0], hq * pool_k.shape[2])
