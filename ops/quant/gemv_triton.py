@@ -46,7 +46,7 @@ _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 # across the loop (the sm_90 SASS re-pairs carried fp8 bytes: 103 -> 78 instructions per 16
 # weight bytes per thread at the 8 x 256 tile, read offline). Exact either way (e4m3 and int8
 # are fp16 values). Timed on an H200, fp8 batch-1 decode, one call each: Llama-1B 1,139 vs
-# 1,084 tok/s (12-03 13:39), Llama-8B 307.4 vs 284.9 / 285.0 (12-03 20:45): the default. Read once.
+# 1,084 tok/s (12-03 13:39), Llama-8B 307.4 vs 284.9 / 285.0 (12-03 20:35): the default. Read once.
 ENV_WIDEN = "TORCH_RUNNER_GEMV_WIDEN"  # "1" (default): widen, "0": carry the raw bytes
 _widen_raw = os.environ.get(ENV_WIDEN, "1").strip()
 if _widen_raw not in ("0", "1"):
