@@ -124,15 +124,15 @@ class _HostEngine(EngineSteps):
     _payload = Engine._payload
 
     def __init__(self, tokenizer, batch: int, overlapped: bool, stops):
-        num_blocks = batch * (PROMPT_LEN + 4096) // BLOCK_SIZE
+        num_blocks = max(batch, 64) * (PROMPT_LEN + 4096) // BLOCK_SIZE
         self.config = SimpleNamespace(block_size=BLOCK_SIZE)
         self.block_manager = BlockManager(num_blocks, BLOCK_SIZE)
         self.prefix_cache = RadixCache(self.block_manager)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=batch,
-                                   token_budget=PROMPT_LEN * batch, prefix_cache=self.prefix_cache,
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max(batch, 64),
+                                   token_budget=PROMPT_LEN * max(batch, 64), prefix_cache=self.prefix_cache,
                                    max_model_len=10**6)  # fmt: skip
         vocab = min(len(tokenizer), 49000)
-        self.runner = _GraphStepRunner(vocab, batch, num_blocks * BLOCK_SIZE)
+        self.runner = _GraphStepRunner(vocab, max(batch, 64), num_blocks * BLOCK_SIZE)
         self.tensor_parallel, self.is_overlapped, self._inflight = None, overlapped, None
         self.requests, self._grammar_masker = {}, None
         self.num_generated_tokens = self.num_non_finite = 0

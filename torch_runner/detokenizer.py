@@ -180,6 +180,34 @@ def find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] 
     return best
 
 
+class StopStrings:
+    """`find_stop` / `holdback_length` over one request's stop strings, with the proper prefixes
+    indexed by their last character: most steps' text ends in a character that ends none, and
+    holds nothing back after one dict lookup (instead of an endswith per prefix length)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = list(stops)
+        self.max_len = max(map(len, self.stops), default=0)
+        by_last: dict[str, set[tuple[int, str]]] = {}
+        for stop in self.stops:
+            for size in range(1, len(stop)):
+                by_last.setdefault(stop[size - 1], set()).add((size, stop[:size]))
+        # longest first: the first prefix the text ends with is the holdback
+        self._by_last = {c: sorted(p, reverse=True) for c, p in by_last.items()}
+
+    def find(self, text: str, search_from: int) -> tuple[int, str] | None:
+        return find_stop(text, self.stops, search_from)
+
+    def holdback(self, text: str) -> int:
+        """holdback_length(text, stops)."""
+        if not text:
+            return 0
+        for size, prefix in self._by_last.get(text[-1], ()):
+            if text.endswith(prefix):
+                return size
+        return 0
+
+
 def holdback_length(text: str, stops: list[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
     longest = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_runner.detokenizer import IncrementalDetokenizer, find_stop, holdback_length
+from torch_runner.detokenizer import IncrementalDetokenizer, StopStrings
 from torch_runner.outputs import Logprob, RequestOutput
 from torch_runner.sequence import Sequence
 
@@ -35,7 +35,8 @@ class RequestState:
         self.max_model_len = max_model_len
         self.grammar = grammar
         self.stops = list(self.params.stop or [])
-        self.max_stop_len = max((len(s) for s in self.stops), default=0)
+        self._stop_strings = StopStrings(self.stops)
+        self.max_stop_len = self._stop_strings.max_len
         self.logprobs: list[Logprob] | None = [] if self.params.logprobs else None
         self.final_text: str | None = None
         self.num_emitted_tokens = 0
@@ -83,7 +84,7 @@ class RequestState:
             self.detokenizer.append(token_id)
             if seq.num_output_tokens >= params.min_tokens:
                 text = self.detokenizer.text
-                found = find_stop(text, self.stops, before - self.max_stop_len + 1)
+                found = self._stop_strings.find(text, before - self.max_stop_len + 1)
                 if found is not None:
                     end = found[0] + (len(found[1]) if params.include_stop_str_in_output else 0)
                     self.final_text = text[:end]
@@ -100,7 +101,7 @@ class RequestState:
         text = self.detokenizer.text
         if self.seq.is_finished or not self.stops:
             return text
-        return text[: len(text) - holdback_length(text, self.stops)]
+        return text[: len(text) - self._stop_strings.holdback(text)]
 
     def make_output(self) -> RequestOutput:
         seq = self.seq
