@@ -5,7 +5,12 @@ import random
 import pytest
 from engine_helpers import byte_tokenizer
 
-from torch_runner.detokenizer import IncrementalDetokenizer, find_stop, holdback_length
+from torch_runner.detokenizer import (
+    IncrementalDetokenizer,
+    StopStrings,
+    find_stop,
+    holdback_length,
+)
 
 TEXT = "naïve café — 東京タワー 🚀🎉 done, ok? «quoted» ελληνικά"
 
@@ -66,3 +71,18 @@ def test_find_stop_and_holdback():
     assert holdback_length("hello S", ["STOP", "Sx"]) == 1
     assert holdback_length("hello", ["STOP"]) == 0
     assert holdback_length("xSTO", ["STOP", "TOPS"]) == 3
+
+
+def test_stop_strings_index_equals_the_brute_force_holdback():
+    rng = random.Random(3)
+    alphabet = "ab\n é"  # few characters: prefixes overlap and repeat ("aab", "\n\n\n")
+    for _ in range(400):
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6)))
+                 for _ in range(rng.randrange(1, 4))]  # fmt: skip
+        matcher = StopStrings(stops)
+        assert matcher.max_len == max(map(len, stops))
+        for _ in range(20):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12)))
+            assert matcher.holdback(text) == holdback_length(text, stops), (text, stops)
+            start = rng.randrange(-3, 12)
+            assert matcher.find(text, start) == find_stop(text, stops, start)

@@ -1,6 +1,7 @@
-"""Host time per token of the incremental detokenizer: transformers' `decode` against the fast
+"""Host time per token of the incremental detokenizer: transformers' `decode`, the fast
 tokenizer's Rust backend (the path `IncrementalDetokenizer` takes when the tokenizer does no
-space clean-up), on the same random ids, interleaved; checks both give the same text.
+space clean-up) and the byte table (byte-level tokenizers), on the same random ids, interleaved;
+checks all give the same text.
 
     PYTHONPATH=. python tools/bench_detokenizer.py [--tokenizer DIR] [--tokens 2000] [--repeats 5]
 """
@@ -15,10 +16,12 @@ from functools import partial
 
 from torch_runner.detokenizer import IncrementalDetokenizer
 
+MODES = ("transformers", "backend", "byte_table")
 
-def run(tokenizer, ids: list[int], use_backend: bool) -> tuple[float, str]:
-    detok = IncrementalDetokenizer(tokenizer, ids[:5])
-    if not use_backend:
+
+def run(tokenizer, ids: list[int], mode: str) -> tuple[float, str]:
+    detok = IncrementalDetokenizer(tokenizer, ids[:5], use_byte_table=mode == "byte_table")
+    if mode == "transformers":
         detok._decode = partial(tokenizer.decode, skip_special_tokens=True)
     t0 = time.perf_counter()
     for token in ids:
@@ -43,15 +46,15 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     rng = random.Random(0)
     ids = [rng.randrange(3, min(tokenizer.vocab_size, 30000)) for _ in range(args.tokens)]
-    times = {True: [], False: []}
+    times = {mode: [] for mode in MODES}
     texts = {}
     for _ in range(args.repeats):
-        for mode in (False, True):
+        for mode in MODES:
             us, texts[mode] = run(tokenizer, ids, mode)
             times[mode].append(us)
-    slow, fast = statistics.median(times[False]), statistics.median(times[True])
-    print(f"transformers decode: {slow:.2f} us/token, backend: {fast:.2f} us/token "
-          f"({slow / fast:.2f}x); same text: {texts[True] == texts[False]}")  # fmt: skip
+    us = {mode: statistics.median(times[mode]) for mode in MODES}
+    print(", ".join(f"{mode}: {us[mode]:.2f} us/token" for mode in MODES)
+          + f"; same text: {len(set(texts.values())) == 1}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -77,8 +77,11 @@ class EngineSteps:
         """Read the step's tokens back and apply them: stop checks, finishes, outputs."""
         result = launched.result()
         outputs = []
+        requests = self.requests
+        logprobs, top_logprobs = result.logprobs, result.top_logprobs
+        num_generated = 0
         for i, (seq, token_id) in enumerate(zip(result.seqs, result.token_ids)):
-            state = self.requests.get(seq.request_id)
+            state = requests.get(seq.request_id)
             if state is None or state.seq is not seq:  # aborted while the step ran
                 continue
             seq.num_output_placeholders -= 1
@@ -86,18 +89,19 @@ class EngineSteps:
                 finish = state.fail(NON_FINITE_MESSAGE)
                 self.num_non_finite += 1
             else:
-                logprob = result.logprobs[i] if result.logprobs is not None else None
-                top = result.top_logprobs[i] if result.top_logprobs is not None else None
+                logprob = logprobs[i] if logprobs is not None else None
+                top = top_logprobs[i] if top_logprobs is not None else None
                 finish = state.append(token_id, logprob, top)
-                self.num_generated_tokens += 1
+                num_generated += 1
             if finish is not None:
                 # a slot in the step now running is wasted: its KV is not counted as computed
                 seq.num_computed_tokens -= seq.num_output_placeholders
                 seq.num_output_placeholders = 0
                 self.scheduler.finish(seq, finish[0], finish[1], self._payload(seq))
                 self.runner.free(seq.request_id)
-                del self.requests[seq.request_id]
+                del requests[seq.request_id]
             outputs.append(state.make_output())
+        self.num_generated_tokens += num_generated
         return outputs
 
     def _grammar_rows(self, chunks):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_runner.detokenizer import IncrementalDetokenizer, find_stop, holdback_length
+from torch_runner.detokenizer import IncrementalDetokenizer, StopStrings
 from torch_runner.outputs import Logprob, RequestOutput
-from torch_runner.sequence import Sequence
+from torch_runner.sequence import Sequence, SequenceStatus
 
 
 class RequestState:
@@ -35,7 +35,8 @@ class RequestState:
         self.max_model_len = max_model_len
         self.grammar = grammar
         self.stops = list(self.params.stop or [])
-        self.max_stop_len = max((len(s) for s in self.stops), default=0)
+        self._stop_strings = StopStrings(self.stops)
+        self.max_stop_len = self._stop_strings.max_len
         self.logprobs: list[Logprob] | None = [] if self.params.logprobs else None
         self.final_text: str | None = None
         self.num_emitted_tokens = 0
@@ -66,7 +67,8 @@ class RequestState:
         # request ends as the grammar has, instead of writing token 0 until max_tokens.
         if self.grammar is not None and not self.grammar.accept_token(token_id):
             return "stop", None
-        seq.append_token(token_id)
+        outputs = seq.output_token_ids  # (Sequence.append_token, without the call: every step)
+        outputs.append(int(token_id))
         if self.logprobs is not None and logprob is not None:
             alternatives = [(int(i), float(v)) for i, v in (top or [])[: params.top_logprobs]]
             self.logprobs.append(Logprob(token_id, float(logprob), alternatives))
@@ -81,16 +83,17 @@ class RequestState:
         else:
             before = len(self.detokenizer.text)
             self.detokenizer.append(token_id)
-            if seq.num_output_tokens >= params.min_tokens:
+            if len(outputs) >= params.min_tokens:
                 text = self.detokenizer.text
-                found = find_stop(text, self.stops, before - self.max_stop_len + 1)
+                found = self._stop_strings.find(text, before - self.max_stop_len + 1)
                 if found is not None:
                     end = found[0] + (len(found[1]) if params.include_stop_str_in_output else 0)
                     self.final_text = text[:end]
                     return "stop", found[1]
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        num_outputs = len(outputs)
+        if params.max_tokens is not None and num_outputs >= params.max_tokens:
             return "length", None
-        if seq.num_tokens >= self.max_model_len:
+        if len(seq.prompt_token_ids) + num_outputs >= self.max_model_len:
             return "length", None
         return None
 
@@ -100,12 +103,13 @@ class RequestState:
         text = self.detokenizer.text
         if self.seq.is_finished or not self.stops:
             return text
-        return text[: len(text) - holdback_length(text, self.stops)]
+        return text[: len(text) - self._stop_strings.holdback(text)]
 
     def make_output(self) -> RequestOutput:
         seq = self.seq
-        text = self.detokenizer.text if self.final_text is None and not self.stops else None
-        if text is None:
+        if self.final_text is None and not self.stops:
+            text = self.detokenizer.text
+        else:
             text = self.visible_text()
         output_ids = seq.output_token_ids
         num_emitted = self.num_emitted_tokens
@@ -121,7 +125,7 @@ class RequestState:
             delta_text,
             output_ids[num_emitted:],
             logprobs[:] if logprobs is not None else None,
-            seq.is_finished,
+            seq.status is SequenceStatus.FINISHED,
             seq.finish_reason,
             seq.num_cached_tokens,
             seq.stop_reason,

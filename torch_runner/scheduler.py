@@ -36,7 +36,7 @@ class ScheduledChunk:
     is_sampled: bool = field(init=False)  # reaches the last token: the step samples the next
 
     def __post_init__(self) -> None:
-        self.is_sampled = self.end == self.seq.num_scheduled_tokens
+        self.is_sampled = self.start + self.num_tokens == self.seq.num_scheduled_tokens
 
     @property
     def end(self) -> int:
@@ -172,7 +172,7 @@ class Scheduler:
         return self.block_manager.num_free_blocks >= num_blocks
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        needed = self.block_manager.blocks_for_tokens(num_tokens) - len(seq.block_table)
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table)  # blocks_for_tokens
         if needed <= 0:
             return True
         if not self._reserve(needed):
@@ -194,7 +194,8 @@ class Scheduler:
         i = num_ending = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self._ends_at_placeholder(seq):  # no wasted slot: it finishes when read back
+            if seq.num_output_placeholders and self._ends_at_placeholder(seq):
+                # no wasted slot: it finishes when read back
                 i += 1
                 num_ending += 1
                 continue
@@ -224,13 +225,15 @@ class Scheduler:
     def _ends_at_placeholder(self, seq: Sequence) -> bool:
         """True when the token in flight surely ends `seq` by length (max_tokens or the
         context), so an overlapped step need not give it a slot it would waste."""
-        if not seq.num_output_placeholders:
+        num_placeholders = seq.num_output_placeholders
+        if not num_placeholders:
             return False
         max_tokens = getattr(seq.params, "max_tokens", None)
-        num_outputs = seq.num_output_tokens + seq.num_output_placeholders
+        num_outputs = len(seq.output_token_ids) + num_placeholders
         if max_tokens is not None and num_outputs >= max_tokens:
             return True
-        return self.max_model_len is not None and seq.num_scheduled_tokens >= self.max_model_len
+        max_len = self.max_model_len  # num_scheduled_tokens, without the property call
+        return max_len is not None and len(seq.prompt_token_ids) + num_outputs >= max_len
 
     def _admit(self, out: SchedulerOutput, budget: int, num_active: int) -> None:
         while self.waiting and num_active < self.max_num_seqs and budget > 0:
