@@ -44,3 +44,9 @@ def _silu_mul(gu):
 def _decode_attention(qkv, cos, ssin, pool_k, pool_v, write_slots, gather_slots, kv_lens, hq,
                       hkv, scale):  # fmt: skip
     return qkv.new_empty(qkv.shape[0], hq * pool_k.shape[2])
+
+
+@torch.library.register_fake("torch_runner_native::decode_step")
+def _decode_step(h, cos, ssin, weights, kinds, eps, pools_k, pools_v, write_slots, gather_slots,
+                 kv_lens, hq, hkv, scale):  # fmt: skip
+    return torch.empty_like(h)

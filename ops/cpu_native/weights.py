@@ -42,6 +42,10 @@ class NativeWeight(QuantizedLinearWeight):
     def run(self, x, bias, residual) -> torch.Tensor:
         raise NotImplementedError
 
+    def step_fields(self) -> tuple:
+        """(kind, a, b): this weight as decode_step (decode_step.cpp) takes it."""
+        raise NotImplementedError
+
 
 class NativeDenseWeight(NativeWeight):
     def __init__(self, weight: torch.Tensor):
@@ -56,6 +60,9 @@ class NativeDenseWeight(NativeWeight):
             return reference.dense_linear(x, self.weight, bias, residual)
         out = F.linear(x, self.weight.to(x.dtype), bias)
         return out if residual is None else out.add_(residual)
+
+    def step_fields(self) -> tuple:
+        return 0, self.weight, None
 
     def nbytes(self) -> int:
         return self.weight.nbytes
@@ -83,6 +90,9 @@ class NativeInt8Weight(NativeWeight):
 
     def dequantize(self) -> torch.Tensor:
         return reference.int8_weight(self.qweight, self.scales, self.shape[1]).to(self.dtype)
+
+    def step_fields(self) -> tuple:
+        return 1, self.qweight, self.scales
 
     def nbytes(self) -> int:
         return self.qweight.nbytes + self.scales.nbytes
@@ -123,6 +133,9 @@ class NativeInt4Weight(NativeWeight):
 
     def dequantize(self) -> torch.Tensor:
         return reference.int4_weight(self.qs, self.dm).to(self.dtype)
+
+    def step_fields(self) -> tuple:
+        return 2, self.qs, self.dm
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.dm.nbytes
