@@ -6,7 +6,8 @@
 //
 // weights: 14 per layer [ln1, qkv a, qkv b, qkv bias, o a, o b, o bias, ln2, gate_up a, b, bias,
 // down a, b, bias] then the final norm; a linear's (a, b) is (weight, None) dense, (codes, scales)
-// int8, (qs, dm) int4, kinds[4 per layer] saying which (linear.h's Kind); eps: 2 per layer + 1.
+// int8, (qs, dm) int4, kinds[4 per layer] saying which (linear.h's Kind: 0 dense, 1 int8, 2 int4,
+// 3 int8 holding -128 codes); eps: 2 per layer + 1.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -46,18 +47,19 @@ LinearRef linear_ref(const Weights& ws, int64_t at, int64_t kind, int64_t k, con
   }
   const at::Tensor b = need(ws, at + 1, what);
   TORCH_CHECK(b.is_contiguous(), "decode_step: ", what, " scales must be contiguous");
-  if (kind == static_cast<int64_t>(Kind::kInt8)) {
+  if (kind == static_cast<int64_t>(Kind::kInt8) || kind == static_cast<int64_t>(Kind::kInt8Full)) {
     TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kChar &&
                     a.size(1) == (k + kBlock - 1) / kBlock * kBlock && b.numel() == n &&
                     b.scalar_type() == at::kFloat,
                 "decode_step: ", what, " int8 codes must be [N, ceil(", k, " / 32) * 32], fp32 scales [N]");
-    return {Kind::kInt8, a.data_ptr(), b.data_ptr(), false, n, k};
+    return {static_cast<Kind>(kind), a.data_ptr(), b.data_ptr(), false, n, k};
   }
   TORCH_CHECK(kind == static_cast<int64_t>(Kind::kInt4), "decode_step: kind of ", what,
-              " must be 0 (dense), 1 (int8) or 2 (int4); got ", kind);
+              " must be 0 (dense), 1 (int8), 2 (int4) or 3 (int8 with -128 codes); got ", kind);
   TORCH_CHECK(a.dim() == 3 && a.scalar_type() == at::kByte && a.size(1) * kBlock == k &&
-                  a.size(2) == 16 && b.scalar_type() == at::kHalf && b.numel() == n * a.size(1) * 2,
-              "decode_step: ", what, " int4 must be qs uint8 [N, ", k, " / 32, 16], dm fp16 [N, K / 32, 2]");
+                  a.size(2) == 16 && b.scalar_type() == at::kHalf &&
+                  b.sizes() == at::IntArrayRef({n, 2, a.size(1)}),
+              "decode_step: ", what, " int4 must be qs uint8 [N, ", k, " / 32, 16], dm fp16 [N, 2, K / 32]");
   return {Kind::kInt4, a.data_ptr(), b.data_ptr(), false, n, k};
 }
 

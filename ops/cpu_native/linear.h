@@ -1,10 +1,11 @@
 // Batch-1 (small M) linear kernels on raw pointers, out = x @ W.T (+ bias) (+ residual), AVX2 + FMA;
 // linear_kernels.cpp wraps them as torch ops, decode_step.cpp calls them inside one decode step.
 //
-// dense: fp32 or bf16 weights [N, K], fp32 accumulation (bf16 widened in registers).
+// dense: fp32 or bf16 weights [N, K], fp32 accumulation (bf16 widened in registers, bf16_dot).
 // int8:  per-row int8 weights [N, Kp] (Kp = K rounded up to 32, zero columns), fp32 scales [N].
 // int4:  per 32 columns (llama.cpp Q4_1 order: byte j = code j | code j+16 << 4) codes
-//        qs [N, K/32, 16] uint8 and (scale, min) dm [N, K/32, 2] fp16: w = code * scale + min.
+//        qs [N, K/32, 16] uint8 and fp16 scales and mins dm [N, 2, K/32] (row n's K/32 scales,
+//        then its mins): w = code * scale + min.
 // int8 / int4 take x quantized per 32 values (q8 blocks: d = amax / 127, q = round(x * 127 / amax),
 // half to even) and multiply with integer dot products (maddubs / madd), as ggml-cpu's q8_0 and
 // q4_1 x q8_1 dot products do; the scales (and min times the block sums of x) apply in fp32.
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -112,7 +114,49 @@ inline void dense_dot(const W* w, int64_t k, const float* x, float* out) {
   }
 }
 
+// bf16 weights: one 32-byte load is 16 values, lane i holding values 2i (low half) and 2i + 1;
+// shifting up / masking gives both as fp32 (2 ops, no widening shuffle), times x's even / odd
+// values: xrow = [x[0], x[2], .. | x[1], x[3], .. (k16 / 2 each) | x[k16:] as is], k16 = K // 16 * 16
 template <int R>
+inline void bf16_dot(const c10::BFloat16* w, int64_t k, const float* xrow, float* out) {
+  const int64_t k16 = k / 16 * 16;
+  const float *xe = xrow, *xo = xrow + k16 / 2, *xt = xrow + k16;
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k16; j += 16) {
+    const __m256 e = _mm256_loadu_ps(xe + j / 2), o = _mm256_loadu_ps(xo + j / 2);
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * k + j));
+      a0[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), e, a0[r]);
+      a1[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), o, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = hsum(_mm256_add_ps(a0[r], a1[r]));
+    for (int64_t t = k16; t < k; ++t) s += to_float(w[r * k + t]) * xt[t - k16];
+    out[r] = s;
+  }
+}
+
+// x [M, K] -> rows in bf16_dot's order (even / odd values of the first K // 16 * 16, then the rest)
+template <typename T>
+void even_odd_rows(const T* x, int64_t m, int64_t k, std::vector<float>& out) {
+  const int64_t k16 = k / 16 * 16;
+  out.resize(m * k);
+  for (int64_t i = 0; i < m; ++i) {
+    const T* src = x + i * k;
+    float* row = out.data() + i * k;
+    for (int64_t j = 0; j < k16 / 2; ++j) {
+      row[j] = to_float(src[2 * j]), row[k16 / 2 + j] = to_float(src[2 * j + 1]);
+    }
+    for (int64_t j = k16; j < k; ++j) row[j] = to_float(src[j]);
+  }
+}
+
+// kFull: codes may be -128 (|w| as the unsigned operand, x's sign moved onto it: 2 ops a row);
+// else |x| is shared by the rows and w takes x's sign (1 op a row; -w overflows for w = -128)
+template <int R, bool kFull>
 inline void int8_dot(const int8_t* w, int64_t kp, const int8_t* xq, const float* xd, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -124,35 +168,67 @@ inline void int8_dot(const int8_t* w, int64_t kp, const int8_t* xq, const float*
     for (int r = 0; r < R; ++r) {
       const __m256i wv =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * kp + b * kBlock));
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv)), ones);
+      const __m256i prod = kFull ? _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv))
+                                 : _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv));
+      const __m256i dot = _mm256_madd_epi16(prod, ones);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dx, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
+inline __m256i int4_codes(const uint8_t* qs) {  // 16 bytes -> the block's 32 codes, in order
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+// Row r's scales d at dm + r * 2 nb, its mins right after (fp16). Per 8 blocks the scales times
+// x's d are one vector (cvtph + mul) broadcast a block at a time (one permute), and the mins
+// times x's block sums one fma: no scalar fp16 conversions in the loop
 template <int R>
 inline void int4_dot(const uint8_t* qs, const uint16_t* dm, int64_t nb, const int8_t* xq,
                      const float* xd, const float* xs, float* out) {
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-  __m256 acc[R];
-  float mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    const __m256 dx = _mm256_broadcast_ss(xd + b);
-    const float sx = xs[b];
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R], macc[R];
+  float tail[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = macc[r] = _mm256_setzero_ps();
+    tail[r] = 0.0f;
+  }
+  int64_t b0 = 0;
+  for (; b0 + 8 <= nb; b0 += 8) {
+    const __m256 dx8 = _mm256_loadu_ps(xd + b0), sx8 = _mm256_loadu_ps(xs + b0);
+    __m256 scale[R];
     for (int r = 0; r < R; ++r) {
-      const int64_t at = r * nb + b;
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + at * 16));
-      const __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-      const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dm[2 * at])), dx);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
-      mins[r] += _cvtsh_ss(dm[2 * at + 1]) * sx;
+      const uint16_t* d = dm + r * 2 * nb + b0;
+      scale[r] = _mm256_mul_ps(
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))), dx8);
+      macc[r] = _mm256_fmadd_ps(
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + nb))), sx8, macc[r]);
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = b0 + j;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+      const __m256i lane = _mm256_set1_epi32(j);
+      for (int r = 0; r < R; ++r) {
+        const __m256i dot =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(int4_codes(qs + (r * nb + b) * 16), xv), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_permutevar8x32_ps(scale[r], lane), acc[r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[r];
+  for (int64_t b = b0; b < nb; ++b) {  // the last nb % 8 blocks
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    for (int r = 0; r < R; ++r) {
+      const __m256i dot =
+          _mm256_madd_epi16(_mm256_maddubs_epi16(int4_codes(qs + (r * nb + b) * 16), xv), ones);
+      const __m256 scale = _mm256_set1_ps(_cvtsh_ss(dm[r * 2 * nb + b]) * xd[b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
+      tail[r] += _cvtsh_ss(dm[r * 2 * nb + nb + b]) * xs[b];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r], macc[r])) + tail[r];
 }
 
 // Runs dot<R>(row, i, out[R]) over every 4-row block (dot<1> for the last N % 4 rows), adds bias
@@ -184,13 +260,14 @@ void run_rows(int64_t m, int64_t n, int64_t row_bytes, const T* bias, const T* r
   });
 }
 
-enum class Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+// kInt8Full: int8 codes that may hold -128 (int8_dot's kFull)
+enum class Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt8Full = 3 };
 
 // One linear's weight fields (pointers into tensors the caller keeps alive)
 struct LinearRef {
   Kind kind;
   const void* w;    // dense: fp32 / bf16 [N, K]; int8: codes [N, Kp]; int4: qs [N, K / 32, 16]
-  const void* aux;  // int8: fp32 scales [N]; int4: fp16 dm [N, K / 32, 2]; dense: unused
+  const void* aux;  // int8: fp32 scales [N]; int4: fp16 dm [N, 2, K / 32]; dense: unused
   bool is_bf16;     // dense: the weight dtype
   int64_t n, k;
 };
@@ -200,21 +277,24 @@ template <typename T>
 void linear_into(const LinearRef& lw, const T* x, int64_t m, const T* bias, const T* residual,
                  T* out, Scratch& s) {
   const int64_t n = lw.n, k = lw.k;
+  if (lw.kind == Kind::kDense && lw.is_bf16) {
+    even_odd_rows(x, m, k, s.xf);
+    const float* xp = s.xf.data();
+    const c10::BFloat16* wp = static_cast<const c10::BFloat16*>(lw.w);
+    run_rows(
+        m, n, 2 * k, bias, residual, out,
+        [&](int64_t row, int64_t i, float* o) { bf16_dot<1>(wp + row * k, k, xp + i * k, o); },
+        [&](int64_t row, int64_t i, float* o) { bf16_dot<4>(wp + row * k, k, xp + i * k, o); });
+    return;
+  }
   if (lw.kind == Kind::kDense) {
     float_rows(x, m, k, k, s.xf);
     const float* xp = s.xf.data();
-    auto dense = [&](auto* wp) {
-      using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
-      run_rows(
-          m, n, k * static_cast<int64_t>(sizeof(W)), bias, residual, out,
-          [&](int64_t row, int64_t i, float* o) { dense_dot<1>(wp + row * k, k, xp + i * k, o); },
-          [&](int64_t row, int64_t i, float* o) { dense_dot<4>(wp + row * k, k, xp + i * k, o); });
-    };
-    if (lw.is_bf16) {
-      dense(static_cast<const c10::BFloat16*>(lw.w));
-    } else {
-      dense(static_cast<const float*>(lw.w));
-    }
+    const float* wp = static_cast<const float*>(lw.w);
+    run_rows(
+        m, n, 4 * k, bias, residual, out,
+        [&](int64_t row, int64_t i, float* o) { dense_dot<1>(wp + row * k, k, xp + i * k, o); },
+        [&](int64_t row, int64_t i, float* o) { dense_dot<4>(wp + row * k, k, xp + i * k, o); });
     return;
   }
   quantize_rows(x, m, k, s);
@@ -222,19 +302,27 @@ void linear_into(const LinearRef& lw, const T* x, int64_t m, const T* bias, cons
   const int8_t* xq = s.q.data();
   const float* xd = s.d.data();
   const float* xs = s.s.data();
-  if (lw.kind == Kind::kInt8) {
+  if (lw.kind == Kind::kInt8 || lw.kind == Kind::kInt8Full) {
     const int8_t* wp = static_cast<const int8_t*>(lw.w);
     const float* sp = static_cast<const float*>(lw.aux);
-    run_rows(
-        m, n, kp, bias, residual, out,
-        [&](int64_t row, int64_t i, float* o) {
-          int8_dot<1>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
-          o[0] *= sp[row];
-        },
-        [&](int64_t row, int64_t i, float* o) {
-          int8_dot<4>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
-          for (int r = 0; r < 4; ++r) o[r] *= sp[row + r];
-        });
+    auto rows = [&](auto full) {
+      constexpr bool kFull = decltype(full)::value;
+      run_rows(
+          m, n, kp, bias, residual, out,
+          [&](int64_t row, int64_t i, float* o) {
+            int8_dot<1, kFull>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
+            o[0] *= sp[row];
+          },
+          [&](int64_t row, int64_t i, float* o) {
+            int8_dot<4, kFull>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
+            for (int r = 0; r < 4; ++r) o[r] *= sp[row + r];
+          });
+    };
+    if (lw.kind == Kind::kInt8Full) {
+      rows(std::true_type{});
+    } else {
+      rows(std::false_type{});
+    }
     return;
   }
   const uint8_t* wp = static_cast<const uint8_t*>(lw.w);
@@ -242,11 +330,11 @@ void linear_into(const LinearRef& lw, const T* x, int64_t m, const T* bias, cons
   run_rows(
       m, n, nb * 20, bias, residual, out,
       [&](int64_t row, int64_t i, float* o) {
-        int4_dot<1>(wp + row * nb * 16, dp + row * nb * 2, nb, xq + i * kp, xd + i * nb,
+        int4_dot<1>(wp + row * nb * 16, dp + row * 2 * nb, nb, xq + i * kp, xd + i * nb,
                     xs + i * nb, o);
       },
       [&](int64_t row, int64_t i, float* o) {
-        int4_dot<4>(wp + row * nb * 16, dp + row * nb * 2, nb, xq + i * kp, xd + i * nb,
+        int4_dot<4>(wp + row * nb * 16, dp + row * 2 * nb, nb, xq + i * kp, xd + i * nb,
                     xs + i * nb, o);
       });
 }

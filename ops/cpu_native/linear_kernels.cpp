@@ -65,7 +65,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
                        int64_t k, const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& residual) {
+                       const std::optional<at::Tensor>& residual, bool full_range) {
   const int64_t n = qw.size(0), kp = qw.size(1);
   TORCH_CHECK(qw.dim() == 2 && qw.is_contiguous() && qw.scalar_type() == at::kChar &&
                   kp == (k + kBlock - 1) / kBlock * kBlock,
@@ -74,7 +74,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == n,
               "int8_linear: scales must be float32 [N]");
   check_x(x, k, "int8_linear");
-  return run({Kind::kInt8, qw.data_ptr(), scales.data_ptr(), false, n, k}, x, bias, residual);
+  const Kind kind = full_range ? Kind::kInt8Full : Kind::kInt8;
+  return run({kind, qw.data_ptr(), scales.data_ptr(), false, n, k}, x, bias, residual);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm,
@@ -83,8 +84,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
               "int4_linear: qs must be contiguous uint8 [N, K / 32, 16]; got ", qs.sizes());
   const int64_t n = qs.size(0), nb = qs.size(1);
   TORCH_CHECK(dm.is_contiguous() && dm.scalar_type() == at::kHalf &&
-                  dm.sizes() == at::IntArrayRef({n, nb, 2}),
-              "int4_linear: dm must be contiguous float16 [N, K / 32, 2]; got ", dm.sizes());
+                  dm.sizes() == at::IntArrayRef({n, 2, nb}),
+              "int4_linear: dm must be contiguous float16 [N, 2, K / 32]; got ", dm.sizes());
   check_x(x, nb * kBlock, "int4_linear");
   return run({Kind::kInt4, qs.data_ptr(), dm.data_ptr(), false, n, nb * kBlock}, x, bias, residual);
 }
@@ -112,7 +113,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) 
 
 TORCH_LIBRARY(torch_runner_native, m) {
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor qw, Tensor scales, int k, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qw, Tensor scales, int k, Tensor? bias, Tensor? residual, "
+        "bool full_range) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qs, Tensor dm, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
 }
