@@ -80,3 +80,54 @@ def test_other_layer_kinds_keep_the_module_path(model_type, tmp_path):
     runner = _engine(str(path)).runner
     assert runner.fast_decode is None
     assert not supports_fast_decode(runner.model, runner.args)
+
+
+@pytest.mark.skipif(not build.has_avx2(), reason="needs an x86-64 CPU with AVX2")
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"),
+                                                ("bfloat16", "int8"), ("float32", "int4")])  # fmt: skip
+def test_native_decode_step_is_the_per_op_native_path_bit_for_bit(llama, monkeypatch, dtype,
+                                                                  quantization):  # fmt: skip
+    """decode_step (one native call a step) runs the per-op native path's kernels in its order:
+    the same hidden states bit for bit, batched rows of different lengths included."""
+    monkeypatch.setenv("TORCH_RUNNER_CPU_KERNELS", "native")
+    engine = Engine(llama[0], device="cpu", dtype=dtype, quantization=quantization,
+                    max_total_tokens=512, block_size=4, chunked_prefill_size=8,
+                    max_num_seqs=8)  # fmt: skip
+    runner = engine.runner
+    flat = runner.fast_decode
+    assert flat.step_args is not None
+    step_args, forward, sizes = flat.step_args, runner._forward_group, set()
+
+    def both(group):
+        if any(c.num_tokens != 1 for c in group):
+            return forward(group)
+        flat.step_args = None
+        want = forward(group)  # writes this step's K/V; decode_step rewrites the same values
+        flat.step_args = step_args
+        got = forward(group)
+        assert torch.equal(got, want)
+        sizes.add(len(group))
+        return got
+
+    runner._forward_group = both
+    _run(engine)
+    assert {1, 2, 3, 4} <= sizes
+
+
+def test_native_decode_step_rejects_bad_weights(llama, monkeypatch):
+    """A weight list of the wrong length or a linear of the wrong kind is a clear error."""
+    if not build.has_avx2():
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    monkeypatch.setenv("TORCH_RUNNER_CPU_KERNELS", "native")
+    flat = _engine(llama[0]).runner.fast_decode
+    weights, kinds, eps, hq, hkv, scale = flat.step_args
+    lib, d = flat.native, flat.layers[0][6]
+    h, cos = torch.zeros(1, weights[0].numel()), torch.zeros(1, d)
+    pools = [torch.zeros(8, hkv, d) for _ in range(len(kinds) // 4)]
+    slot, lens = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="14 weights per layer"):
+        lib.decode_step(h, cos, cos, weights[:-1], kinds, eps, pools, pools, slot, slot, lens,
+                        hq, hkv, scale)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"weights\[2\] \(qkv\) is None"):  # int8: no scales
+        lib.decode_step(h, cos, cos, weights, [1, *kinds[1:]], eps, pools, pools, slot, slot,
+                        lens, hq, hkv, scale)  # fmt: skip

@@ -75,12 +75,17 @@ def test_dense_gemv_vs_reference_and_fp64(lib, m, n, k, dtype):
 
 @pytest.mark.parametrize("m,n,k", SHAPES + ODD_K)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_q8_kernel_vs_reference_and_fp64(lib, m, n, k, dtype):
+@pytest.mark.parametrize("lowest", [-127, -128])  # -128 codes: the kernel's full-range variant
+def test_int8_q8_kernel_vs_reference_and_fp64(lib, m, n, k, dtype, lowest):
     torch.manual_seed(n + k)
     x = torch.randn(m, k).to(dtype)
-    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    qweight = torch.randint(lowest, 128, (n, k), dtype=torch.int8)
+    qweight[0, 0] = lowest
+    if lowest == -128:
+        qweight[-1, -4:] = -128  # in the last (possibly single-row) block and the tail columns
     scales = torch.rand(n) / 100
     weight = NativeInt8Weight(qweight, scales, dtype)
+    assert weight.is_full_range == (lowest == -128)
     got = weight.linear(x, None)
     want64, scale = brute_force(q8_dequantized(lib, x), qweight.double() * scales.double()[:, None])
     want_ref = reference.int8_linear(x, weight.qweight, weight.scales, k)
@@ -96,8 +101,8 @@ def test_int4_q8_kernel_vs_reference_and_fp64(lib, m, n, k, dtype, group):
     codes, scales, zeros = int4_codes(torch.randn(n, k), group)
     weight = NativeInt4Weight.from_codes(codes, scales, zeros, group, dtype)
     got = weight.linear_add(x, None, torch.ones(m, n).to(dtype))
-    dm = weight.dm.double()  # the stored fp16 (scale, min) of each 32 columns
-    w64 = codes.double().view(n, k // 32, 32) * dm[..., :1] + dm[..., 1:]
+    dm = weight.dm.double()  # the stored fp16 scales [N, 0, K/32] and mins [N, 1, K/32]
+    w64 = codes.double().view(n, k // 32, 32) * dm[:, 0, :, None] + dm[:, 1, :, None]
     w64 = w64.view(n, k)
     want64, scale = brute_force(q8_dequantized(lib, x), w64)
     want_ref = reference.int4_linear(x, weight.qs, weight.dm, None, torch.ones(m, n).to(dtype))
@@ -117,11 +122,9 @@ def test_bad_inputs_are_clear_errors(lib):
     with pytest.raises(ValueError, match="multiples of 32"):
         NativeInt4Weight.from_codes(torch.zeros(8, 48, dtype=torch.int32), torch.ones(8, 1),
                                     torch.zeros(8, 1), 48, torch.float32)  # fmt: skip
-    with pytest.raises(ValueError, match="-128"):
-        NativeInt8Weight(torch.full((4, 32), -128, dtype=torch.int8), torch.ones(4), torch.float32)
     weight = NativeInt8Weight(torch.ones(4, 32, dtype=torch.int8), torch.ones(4), torch.float32)
     with pytest.raises(RuntimeError, match="takes K=31"):
-        lib.int8_linear(torch.ones(1, 30), weight.qweight, weight.scales, 31, None, None)
+        lib.int8_linear(torch.ones(1, 30), weight.qweight, weight.scales, 31, None, None, False)
     with pytest.raises(RuntimeError, match="dtype"):
         lib.dense_linear(torch.ones(1, 8, dtype=torch.float16), torch.ones(4, 8), None, None)
 

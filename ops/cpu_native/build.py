@@ -1,4 +1,4 @@
-"""Building and loading the native kernels (linear_ and pointwise_kernels.cpp), and whether to use them.
+"""Building and loading the native kernels (the .cpp files below and their headers), and whether to use them.
 
 Why built on first use: `torch.utils.cpp_extension.load` compiles the two C++ files with ninja
 into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) the first time (seconds), later
@@ -10,6 +10,7 @@ CPU linear on torch's kernels (oneDNN / MKL / `_weight_int*pack_mm`), the behavi
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -21,8 +22,19 @@ logger = logging.getLogger(__name__)
 
 KERNEL_MODES = ("native", "torch")
 KERNELS_ENV = "TORCH_RUNNER_CPU_KERNELS"
-SOURCES = [Path(__file__).with_name(n) for n in ("linear_kernels.cpp", "pointwise_kernels.cpp")]
+SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("linear_kernels.cpp", "pointwise_kernels.cpp", "decode_step.cpp")
+]
+HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "linear.h", "pointwise.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: at::parallel_for's threads
+
+
+def _headers_flag() -> str:
+    """A define holding the headers' hash: torch rebuilds when a source or a flag changes, and
+    it hashes only the sources, so an edited header changes this flag instead."""
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in HEADERS)).hexdigest()[:16]
+    return f"-DTR_NATIVE_HEADERS={digest}"
 
 
 def kernel_mode() -> str:
@@ -60,7 +72,7 @@ def native_ops():
         load(
             name="torch_runner_native",
             sources=[str(p) for p in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=[*CFLAGS, _headers_flag()],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -14,7 +14,7 @@ def register() -> None:
         return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake("torch_runner_native::int8_linear")
-    def _int8(x, qw, scales, k, bias, residual):
+    def _int8(x, qw, scales, k, bias, residual, full_range):
         return x.new_empty(x.shape[0], qw.shape[0])
 
     @torch.library.register_fake("torch_runner_native::int4_linear")
@@ -42,3 +42,8 @@ def register() -> None:
     def _decode_attention(qkv, cos, ssin, pool_k, pool_v, write_slots, gather_slots, kv_lens, hq,
                           hkv, scale):  # fmt: skip
         return qkv.new_empty(qkv.shape[0], hq * pool_k.shape[2])
+
+    @torch.library.register_fake("torch_runner_native::decode_step")
+    def _decode_step(h, cos, ssin, weights, kinds, eps, pools_k, pools_v, write_slots, gather_slots,
+                     kv_lens, hq, hkv, scale):  # fmt: skip
+        return torch.empty_like(h)

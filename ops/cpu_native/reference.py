@@ -55,11 +55,12 @@ def int8_weight(qw: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def int4_weight(qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """qs [N, K/32, 16] uint8 (byte j: code j | code j+16 << 4), dm [N, K/32, 2] -> fp32 [N, K]."""
+    """qs [N, K/32, 16] uint8 (byte j: code j | code j+16 << 4), dm [N, 2, K/32] (each row's
+    scales, then its mins) -> fp32 [N, K]."""
     n, nb, _ = qs.shape
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [N, K/32, 32]
     dm = dm.float()
-    return (codes * dm[..., :1] + dm[..., 1:]).view(n, nb * BLOCK)
+    return (codes * dm[:, 0, :, None] + dm[:, 1, :, None]).view(n, nb * BLOCK)
 
 
 def int8_linear(x, qw, scales, k, bias=None, residual=None) -> torch.Tensor:

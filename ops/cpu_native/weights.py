@@ -42,6 +42,10 @@ class NativeWeight(QuantizedLinearWeight):
     def run(self, x, bias, residual) -> torch.Tensor:
         raise NotImplementedError
 
+    def step_fields(self) -> tuple:
+        """(kind, a, b): this weight as decode_step (decode_step.cpp) takes it."""
+        raise NotImplementedError
+
 
 class NativeDenseWeight(NativeWeight):
     def __init__(self, weight: torch.Tensor):
@@ -57,6 +61,9 @@ class NativeDenseWeight(NativeWeight):
         out = F.linear(x, self.weight.to(x.dtype), bias)
         return out if residual is None else out.add_(residual)
 
+    def step_fields(self) -> tuple:
+        return 0, self.weight, None
+
     def nbytes(self) -> int:
         return self.weight.nbytes
 
@@ -67,10 +74,8 @@ class NativeInt8Weight(NativeWeight):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
         n, k = qweight.shape
         super().__init__(n, k, dtype, qweight.device)
-        if qweight.numel() and int(qweight.min()) == -128:
-            raise ValueError(
-                "int8 weight: the native kernel takes codes in -127..127; this weight holds -128"
-            )
+        # -128 codes take the kernel's full-range variant (one more op a row: linear.h int8_dot)
+        self.is_full_range = bool(qweight.numel()) and int(qweight.min()) == -128
         kp = -(-k // reference.BLOCK) * reference.BLOCK
         self.qweight = F.pad(qweight, (0, kp - k)).contiguous()
         self.scales = scales.float().contiguous()
@@ -78,24 +83,29 @@ class NativeInt8Weight(NativeWeight):
     def run(self, x, bias, residual):
         k, lib = self.shape[1], self.lib
         if lib is not None:
-            return lib.int8_linear(x, self.qweight, self.scales, k, bias, residual)
+            return lib.int8_linear(x, self.qweight, self.scales, k, bias, residual,
+                                   self.is_full_range)  # fmt: skip
         return reference.int8_linear(x, self.qweight, self.scales, k, bias, residual)
 
     def dequantize(self) -> torch.Tensor:
         return reference.int8_weight(self.qweight, self.scales, self.shape[1]).to(self.dtype)
+
+    def step_fields(self) -> tuple:
+        return (3 if self.is_full_range else 1), self.qweight, self.scales
 
     def nbytes(self) -> int:
         return self.qweight.nbytes + self.scales.nbytes
 
 
 class NativeInt4Weight(NativeWeight):
-    """Per 32 columns: qs [N, K/32, 16] uint8 codes, dm [N, K/32, 2] fp16 (scale, min), as
-    llama.cpp's Q4_1 blocks (a GGUF's Q4_1 d / m are fp16 already: kept exactly)."""
+    """Per 32 columns: qs [N, K/32, 16] uint8 codes as llama.cpp's Q4_1 blocks; their fp16
+    (scale, min) pairs dm [N, K/32, 2] (a GGUF's Q4_1 d / m are fp16 already: kept exactly) are
+    stored as dm [N, 2, K/32], each row's scales then its mins (the kernel loads 8 at a time)."""
 
     def __init__(self, qs: torch.Tensor, dm: torch.Tensor, dtype: torch.dtype):
         n, nb, _ = qs.shape
         super().__init__(n, nb * reference.BLOCK, dtype, qs.device)
-        self.qs, self.dm = qs.contiguous(), dm.contiguous()
+        self.qs, self.dm = qs.contiguous(), dm.transpose(1, 2).contiguous()
 
     @classmethod
     def from_codes(cls, codes, scales, zeros, group_size: int, dtype) -> NativeInt4Weight:
@@ -123,6 +133,9 @@ class NativeInt4Weight(NativeWeight):
 
     def dequantize(self) -> torch.Tensor:
         return reference.int4_weight(self.qs, self.dm).to(self.dtype)
+
+    def step_fields(self) -> tuple:
+        return 2, self.qs, self.dm
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.dm.nbytes

@@ -82,6 +82,11 @@ class FlatDecoder:
             self.rms_norm = lib.rms_norm
             if all(p[14] is F.silu for p in self.layers):
                 self.silu_mul = lib.silu_mul
+        # the whole step as one native op (ops/cpu_native/decode_step.cpp): the per-op native
+        # path's kernels in the same order (the same bits), without ~10 Python op calls a layer
+        self.step_args = None
+        if self.silu_mul is not None and all_reduce is None:
+            self.step_args = _native_step_args(self.layers, self.final_norm)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
         """Hidden [B, 1, H] for one token per row: input_ids, positions [B, 1] int64; caches:
@@ -92,6 +97,8 @@ class FlatDecoder:
         h = self.embed(input_ids.view(b))  # [B, H]
         rope = self.rotary.at(positions, h.dtype)
         tables = self._native_attention_tables(rope, caches)  # (cos, sin) [B, D] or None
+        if tables is not None and self.step_args is not None:
+            return self._native_step(h, tables, caches).view(b, 1, -1)
         for plan, cache in zip(self.layers, caches):
             ln1, eps1, qkv_w, qkv_b, hq, hkv, d, scale, o_w, o_b = plan[:10]
             x = rms_norm(h, ln1, eps1)
@@ -134,6 +141,16 @@ class FlatDecoder:
         b = meta.shape[0]
         return rope.cos.reshape(b, d).contiguous(), rope.sin.reshape(b, d).contiguous()
 
+    def _native_step(self, h, tables, caches) -> torch.Tensor:
+        """Every layer and the final norm in one native call: h [B, H] -> [B, H]."""
+        weights, kinds, eps, hq, hkv, scale = self.step_args
+        meta = caches[0].meta
+        pools_k = [c.pool.k_layers[c.layer] for c in caches]
+        pools_v = [c.pool.v_layers[c.layer] for c in caches]
+        return self.native.decode_step(h, *tables, weights, kinds, eps, pools_k, pools_v,
+                                       meta.write_slots, meta.gather_slots, meta.kv_lens, hq, hkv,
+                                       scale)  # fmt: skip
+
     def _o_proj(self, out, o_w, o_b, h):
         """h + out @ o_proj (summed over the tensor-parallel ranks first)."""
         if self.all_reduce is None:
@@ -159,6 +176,23 @@ class FlatDecoder:
         if self.all_reduce is None:
             return ops.linear_add(mixed, down_w, down_b, h)
         return h + self.all_reduce(ops.linear(mixed, down_w, down_b))
+
+
+def _native_step_args(plans, final_norm):
+    """(weights, kinds, eps, hq, hkv, scale) for decode_step (its layout: decode_step.cpp), or
+    None when the layers differ in their head counts or scale."""
+    if len({(p[4], p[5], p[7]) for p in plans}) != 1:
+        return None
+    weights, kinds, eps = [], [], []
+    for p in plans:
+        qkv, o, gate_up, down = (w.step_fields() for w in (p[2], p[8], p[12], p[15]))
+        kinds += [qkv[0], o[0], gate_up[0], down[0]]
+        weights += [p[0], *qkv[1:], p[3], *o[1:], p[9], p[10], *gate_up[1:], p[13], *down[1:],
+                    p[16]]  # fmt: skip
+        eps += [p[1], p[11]]
+    weights.append(final_norm.weight)
+    eps.append(final_norm.eps)
+    return weights, kinds, eps, plans[0][4], plans[0][5], plans[0][7]
 
 
 def _layer_plan(layer) -> tuple:
