@@ -1,4 +1,4 @@
-"""The native AVX2 CPU linear kernels (ops/cpu_native).
+"""The native CPU kernels (ops/cpu_native; AVX-512 where the CPU has it, else AVX2).
 
 Oracles: the pure-torch reference of the same math (ops/cpu_native/reference.py: only the fp32
 summation order differs, so a tight tolerance) and an fp64 brute-force dot product built from

@@ -1,9 +1,11 @@
 """Building and loading the native kernels (the .cpp files below and their headers), and whether to use them.
 
-Why built on first use: `torch.utils.cpp_extension.load` compiles the two C++ files with ninja
+Why built on first use: `torch.utils.cpp_extension.load` compiles the C++ files with ninja
 into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) the first time (seconds), later
 processes load the cached library. The kernels need AVX2 + FMA (x86-64); torch's own CPU
-capability probe says whether this CPU has them. TORCH_RUNNER_CPU_KERNELS=torch keeps every
+capability probe says whether this CPU has them. Where /proc/cpuinfo also lists AVX-512 BW / VL /
+DQ / VNNI / BF16 the linears take linear512.h's kernels (vpdpbusd, vdpbf16ps), built as a library
+of their own name (TORCH_RUNNER_CPU_ISA=avx2 keeps the AVX2 ones). TORCH_RUNNER_CPU_KERNELS=torch keeps every
 CPU linear on torch's kernels (oneDNN / MKL / `_weight_int*pack_mm`), the behaviour before.
 """
 
@@ -26,8 +28,16 @@ SOURCES = [
     Path(__file__).with_name(n)
     for n in ("linear_kernels.cpp", "pointwise_kernels.cpp", "decode_step.cpp")
 ]
-HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "linear.h", "pointwise.h")]
+HEADERS = [
+    Path(__file__).with_name(n) for n in ("simd.h", "linear.h", "linear512.h", "pointwise.h")
+]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: at::parallel_for's threads
+# linear512.h's kernels: AVX-512 BW / VL / DQ with VNNI (vpdpbusd) and BF16 (vdpbf16ps)
+AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
+AVX512_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                 "-mavx512bf16", "-DTR_AVX512=1"]  # fmt: skip
+ISAS = ("auto", "avx512", "avx2")
+ISA_ENV = "TORCH_RUNNER_CPU_ISA"
 
 
 def _headers_flag() -> str:
@@ -54,6 +64,30 @@ def has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def isa() -> str:
+    """Which kernels to build: "avx512" where the CPU has every AVX512_CPU_FLAGS flag, else "avx2".
+    TORCH_RUNNER_CPU_ISA=avx2 forces the AVX2 kernels (for comparison); =avx512 on a CPU without
+    those flags is an error, not a crash later."""
+    want = os.environ.get(ISA_ENV, "auto")
+    if want not in ISAS:
+        raise ValueError(f"{ISA_ENV}={want!r} is invalid; allowed values: {', '.join(ISAS)}")
+    has = all(f in cpu_flags() for f in AVX512_CPU_FLAGS)
+    if want == "avx512" and not has:
+        missing = [f for f in AVX512_CPU_FLAGS if f not in cpu_flags()]
+        raise ValueError(f"{ISA_ENV}=avx512 but this CPU lacks {', '.join(missing)}")
+    return "avx512" if has and want != "avx2" else "avx2"
+
+
 def wants_native(device) -> bool:
     """True when CPU linears on `device` should take the native weight formats (ops/cpu_native)."""
     return torch.device(device).type == "cpu" and kernel_mode() == "native" and has_avx2()
@@ -69,10 +103,15 @@ def native_ops():
     try:
         from torch.utils.cpp_extension import load
 
+        kernels = isa()
         load(
-            name="torch_runner_native",
+            name=f"torch_runner_native_{kernels}",
             sources=[str(p) for p in SOURCES],
-            extra_cflags=[*CFLAGS, _headers_flag()],
+            extra_cflags=[
+                *CFLAGS,
+                *(AVX512_CFLAGS if kernels == "avx512" else []),
+                _headers_flag(),
+            ],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

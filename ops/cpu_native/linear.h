@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "linear512.h"
 #include "simd.h"
 
 namespace tr_native {
@@ -277,6 +278,37 @@ template <typename T>
 void linear_into(const LinearRef& lw, const T* x, int64_t m, const T* bias, const T* residual,
                  T* out, Scratch& s) {
   const int64_t n = lw.n, k = lw.k;
+#ifdef TR_AVX512
+  if (lw.kind == Kind::kDense && lw.is_bf16 && std::is_same_v<T, c10::BFloat16>) {
+    const c10::BFloat16* xp = reinterpret_cast<const c10::BFloat16*>(x);
+    const c10::BFloat16* wp = static_cast<const c10::BFloat16*>(lw.w);
+    run_rows(
+        m, n, 2 * k, bias, residual, out,
+        [&](int64_t row, int64_t i, float* o) { avx512::bf16_dot<1>(wp + row * k, k, xp + i * k, o); },
+        [&](int64_t row, int64_t i, float* o) { avx512::bf16_dot<4>(wp + row * k, k, xp + i * k, o); });
+    return;
+  }
+  if (lw.kind == Kind::kDense) {  // fp32 x (fp32 or bf16 weights)
+    float_rows(x, m, k, k, s.xf);
+    const float* xp = s.xf.data();
+    auto rows = [&](auto* wp) {
+      using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
+      run_rows(
+          m, n, sizeof(W) * k, bias, residual, out,
+          [&](int64_t row, int64_t i, float* o) { avx512::dense_dot<1>(wp + row * k, k, xp + i * k, o); },
+          [&](int64_t row, int64_t i, float* o) { avx512::dense_dot<4>(wp + row * k, k, xp + i * k, o); });
+    };
+    if (lw.is_bf16) {
+      rows(static_cast<const c10::BFloat16*>(lw.w));
+    } else {
+      rows(static_cast<const float*>(lw.w));
+    }
+    return;
+  }
+  namespace dots = avx512;
+#else
+  namespace dots = tr_native;
+#endif
   if (lw.kind == Kind::kDense && lw.is_bf16) {
     even_odd_rows(x, m, k, s.xf);
     const float* xp = s.xf.data();
@@ -310,11 +342,11 @@ void linear_into(const LinearRef& lw, const T* x, int64_t m, const T* bias, cons
       run_rows(
           m, n, kp, bias, residual, out,
           [&](int64_t row, int64_t i, float* o) {
-            int8_dot<1, kFull>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
+            dots::int8_dot<1, kFull>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
             o[0] *= sp[row];
           },
           [&](int64_t row, int64_t i, float* o) {
-            int8_dot<4, kFull>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
+            dots::int8_dot<4, kFull>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
             for (int r = 0; r < 4; ++r) o[r] *= sp[row + r];
           });
     };
@@ -330,11 +362,11 @@ void linear_into(const LinearRef& lw, const T* x, int64_t m, const T* bias, cons
   run_rows(
       m, n, nb * 20, bias, residual, out,
       [&](int64_t row, int64_t i, float* o) {
-        int4_dot<1>(wp + row * nb * 16, dp + row * 2 * nb, nb, xq + i * kp, xd + i * nb,
+        dots::int4_dot<1>(wp + row * nb * 16, dp + row * 2 * nb, nb, xq + i * kp, xd + i * nb,
                     xs + i * nb, o);
       },
       [&](int64_t row, int64_t i, float* o) {
-        int4_dot<4>(wp + row * nb * 16, dp + row * 2 * nb, nb, xq + i * kp, xd + i * nb,
+        dots::int4_dot<4>(wp + row * nb * 16, dp + row * 2 * nb, nb, xq + i * kp, xd + i * nb,
                     xs + i * nb, o);
       });
 }
