@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from models.layers import Attention, GatedMLP, PackedHead
+from ops.cpu_native import hugepages
 from ops.cpu_native.weights import NativeDenseWeight
+from ops.quant.int_linear import QuantizedLinearWeight
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -61,3 +63,20 @@ def native_linear_weights(model: nn.Module) -> int:
     elif isinstance(head, nn.Linear):
         wrap_param(head)
     return count
+
+
+def weight_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of `model` and the tensors inside its packed / quantized
+    linear weights (module attributes that are QuantizedLinearWeight objects)."""
+    found = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, QuantizedLinearWeight):
+                found += [t for t in vars(value).values() if isinstance(t, torch.Tensor)]
+    return found
+
+
+def weights_on_huge_pages(model: nn.Module) -> int:
+    """Back the model's CPU weights with 2 MiB pages in place (ops/cpu_native/hugepages.py);
+    returns the bytes collapsed."""
+    return hugepages.collapse(weight_tensors(model))

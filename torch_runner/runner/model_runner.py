@@ -18,7 +18,7 @@ import torch
 import ops
 from models.layers import pack_linear_weights
 from models.native_weights import DTYPES as NATIVE_DTYPES
-from models.native_weights import native_linear_weights
+from models.native_weights import native_linear_weights, weights_on_huge_pages
 from ops.cpu_native.build import wants_native
 from ops.sampling.batch import SamplingBatch
 from torch_runner.kv.caches import (
@@ -121,6 +121,9 @@ class ModelRunner:
         )
         if self.is_packed:  # oneDNN-packed matmul weights (ops/linear.py): faster CPU decode
             pack_linear_weights(self.model)
+        if device.type == "cpu":  # decode streams every weight: 2 MiB pages, fewer TLB misses
+            huge = weights_on_huge_pages(self.model)
+            logger.info("weights on huge pages: %.0f MiB", huge / 2**20)
         self.eos_token_ids = list(eos_token_ids)
         self.args = loaded.args
         self.device = device
