@@ -79,9 +79,13 @@ def collapse(tensors: Iterable[torch.Tensor]) -> int:
         return 0
     ranges = {}
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.numel():
+            continue
+        try:
             storage = t.untyped_storage()
-            ranges[storage.data_ptr()] = storage.data_ptr() + storage.nbytes()
+        except (NotImplementedError, RuntimeError):  # opaque (oneDNN-packed): no storage
+            continue
+        ranges[storage.data_ptr()] = storage.data_ptr() + storage.nbytes()
     if not ranges:
         return 0
     try:
