@@ -79,5 +79,5 @@ def test_collapse_keeps_values_and_addresses():
     assert weight.data_ptr() == address and torch.equal(weight, want)
     if done == 0:
         pytest.skip("this kernel did not collapse (THP never, or no MADV_COLLAPSE)")
-    assert done >= 20 << 20 and done % PAGE == 0
+    assert done >= 16 << 20 and done % PAGE == 0, done  # of the 22-24 MiB of whole pages inside
     assert anon_huge_kb(address + (8 << 20)) >= done // 1024

@@ -37,8 +37,10 @@ def enabled() -> bool:
 
 
 def _mappings() -> list[tuple[int, int]]:
-    """This process's writable private anonymous-or-heap mappings, [start, end) addresses."""
-    spans = []
+    """This process's writable private anonymous-or-heap mappings, [start, end) addresses, with
+    adjacent ones merged (madvise splits a mapping where its flags change; one weight may then
+    lie across two, and a later MADV_HUGEPAGE over both merges them again)."""
+    spans: list[tuple[int, int]] = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split()
@@ -46,7 +48,10 @@ def _mappings() -> list[tuple[int, int]]:
             path = fields[5] if len(fields) > 5 else ""
             if "w" in perms and "p" in perms and path in ("", "[heap]"):
                 start, end = (int(v, 16) for v in fields[0].split("-"))
-                spans.append((start, end))
+                if spans and spans[-1][1] == start:
+                    spans[-1] = (spans[-1][0], end)
+                else:
+                    spans.append((start, end))
     return spans
 
 
@@ -94,15 +99,16 @@ def collapse(tensors: Iterable[torch.Tensor]) -> int:
     except OSError as exc:
         logger.info("huge pages: not available here (%s)", exc)
         return 0
-    done = 0
+    done, failed = 0, {}
     for lo, hi in spans:
-        size = ctypes.c_size_t(hi - lo)
-        libc.madvise(ctypes.c_void_p(lo), size, MADV_HUGEPAGE)
-        if libc.madvise(ctypes.c_void_p(lo), size, MADV_COLLAPSE) == 0:
-            done += hi - lo
-        else:
-            err = ctypes.get_errno()
-            logger.info("huge pages: MADV_COLLAPSE failed (%s); the weights stay on small pages",
-                        os.strerror(err))  # fmt: skip
-            break
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_HUGEPAGE)
+        for page in range(lo, hi, PAGE):  # one page a call: a page that fails leaves the rest
+            if libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(PAGE), MADV_COLLAPSE) == 0:
+                done += PAGE
+            else:
+                err = os.strerror(ctypes.get_errno())
+                failed[err] = failed.get(err, 0) + 1
+    if failed:
+        logger.info("huge pages: %s 2 MiB pages stay small (%s)", sum(failed.values()),
+                    ", ".join(f"{n}: {e}" for e, n in failed.items()))  # fmt: skip
     return done
