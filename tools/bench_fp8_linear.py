@@ -10,7 +10,9 @@ Why: at batch 1 the fp8 decode step was no faster than bf16 (docs/performance-lo
 ops/quant/gemv_tiles.py are measured, not guessed. --write-configs saves the best tiles as JSON;
 tools/bench_cuda_decode.py --gemv-configs runs a model with them. Each row also times the best
 tile with the 1-byte slices widened to fp16 as loaded (`widen`, gemv_triton.WIDEN_1BYTE), fp8
-and int8, against the same tile carrying the raw bytes.
+and int8, against the same tile carrying the raw bytes; at one row the fp8 sweep runs the e4m3
+bit placement (gemv_triton.FP8_BITS) and each row also times the conversion path (`bits=False`)
+at the table's tile, the kernel it replaces.
 
     PYTHONPATH=. python tools/bench_fp8_linear.py --rows 1,2,4,8 --write-configs /tmp/gemv.json
 """
@@ -36,6 +38,9 @@ SHAPES = {  # name: (N, K) of the fused projections
 SWEEP = [c for c in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (1,))
          if c[:3] != (16, 1024, 4)]  # fmt: skip
 SWEEP += [(*t, s) for t in ((4, 512, 4), (8, 256, 4), (8, 512, 4), (4, 1024, 8)) for s in (2, 4, 8)]
+# for the one-row e4m3 bit placement (x read per weight row): narrower and wider slices
+SWEEP += [(2, 1024, 4, 1), (2, 2048, 8, 1), (4, 2048, 8, 1), (32, 256, 8, 1), (8, 256, 2, 1),
+          (4, 512, 2, 1)]  # fmt: skip
 SHORT_SWEEP = [(*t, s) for t in ((4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4),
                                  (16, 256, 4)) for s in (1, 4)]  # fmt: skip
 
@@ -111,8 +116,11 @@ def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tupl
     best_t, best = min(results, default=(default, default_cfg))
     if default < best_t:
         best_t, best = default, default_cfg
-    # the best tile again with each slice converted to fp16 as loaded (gemv_triton.WIDEN_1BYTE)
-    widen = [ms(lambda w=w: gemv(x, f8.weight, f8.scale, best, widen=w)) for w in (False, True)]
+    # the best tile again with each slice converted to fp16 as loaded (gemv_triton.WIDEN_1BYTE),
+    # and the conversion path at the table's tile (one row: the sweep ran the bit placement)
+    widen = [ms(lambda w=w: gemv(x, f8.weight, f8.scale, best, widen=w, bits=False))
+             for w in (False, True)]  # fmt: skip
+    converted = ms(lambda: gemv(x, f8.weight, f8.scale, default_cfg, bits=False))
     int8_gemv = ms(lambda: gemv(x, i8.qweight, i8.scales, best))
     int8_widen = ms(lambda: gemv(x, i8.qweight, i8.scales, best, widen=True))
     bf16_gemv = ms(lambda: gemv(x, w, None)) if m == 1 else None  # the bf16 table's tile
@@ -127,6 +135,7 @@ def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tupl
                fp8_over_bf16=round(bf16 / min(best_t, scaled), 2),
                fp8_raw_us=round(widen[0] * 1e3, 1), fp8_widen_us=round(widen[1] * 1e3, 1),
                widen_speedup=round(widen[0] / widen[1], 3),
+               fp8_converted_table_us=round(converted * 1e3, 1),
                int8_gemv_us=round(int8_gemv * 1e3, 1), int8_widen_us=round(int8_widen * 1e3, 1),
                int8_torch_us=int8_torch and round(int8_torch, 1),
                bf16_gemv_us=bf16_gemv and round(bf16_gemv * 1e3, 1))  # fmt: skip
@@ -165,13 +174,14 @@ def main() -> None:
             f.writelines(json.dumps(r) + "\n" for r in lines)
     print(
         "shape rows: bf16 us | _scaled_mm us | gemv us (best tile, HBM frac) | int8 gemv / torch us"
-        " | fp8 raw / widened us (same tile, timed again)"
+        " | fp8 raw / widened us (same tile, timed again) | converted at the table's tile"
     )
     for r in lines:
         print(f"{r['shape']:>11} {r['rows']}: {r['bf16_us']:7.1f} | {r['scaled_mm_us']:7.1f} | "
               f"{r['gemv_best_us']:7.1f} ({tuple(r['gemv_best'])}, {r['gemv_bw_frac']:.2f}) | "
               f"{r['int8_gemv_us']:7.1f} / {r['int8_torch_us'] or '-'} | "
-              f"{r['fp8_raw_us']:7.1f} / {r['fp8_widen_us']:7.1f}")  # fmt: skip
+              f"{r['fp8_raw_us']:7.1f} / {r['fp8_widen_us']:7.1f} | "
+              f"{r['fp8_converted_table_us']:7.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
