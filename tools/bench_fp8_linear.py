@@ -11,7 +11,7 @@ ops/quant/gemv_tiles.py are measured, not guessed. --write-configs saves the bes
 tools/bench_cuda_decode.py --gemv-configs runs a model with them. Each row also times the best
 tile with the 1-byte slices widened to fp16 as loaded (`widen`, gemv_triton.WIDEN_1BYTE), fp8
 and int8, against the same tile carrying the raw bytes; at one row the fp8 sweep runs the e4m3
-bit placement (gemv_triton.FP8_BITS) and each row also times the conversion path (`bits=False`)
+bit placement (`bits=True`) and each row also times the conversion path (`bits=False`)
 at the table's tile, the kernel it replaces.
 
     PYTHONPATH=. python tools/bench_fp8_linear.py --rows 1,2,4,8 --write-configs /tmp/gemv.json
@@ -52,26 +52,30 @@ def ms(fn) -> float:
 
 
 def _compile(jobs) -> int:
-    """Run the GEMV once per (rows, weight dtype, config) on a shape every split divides: the
-    kernels land in Triton's on-disk cache, where the sweep then finds them."""
+    """Run the GEMV once per (rows, weight dtype, config, bits) on a shape every split divides:
+    the kernels land in Triton's on-disk cache, where the sweep then finds them."""
     from ops.quant.gemv_triton import gemv
 
-    for m, dtype, cfg in jobs:  # int8 scales are in the activation dtype, fp8's in fp32
+    for m, dtype, cfg, bits in jobs:  # int8 scales are in the activation dtype, fp8's in fp32
         w = torch.ones(2048, 32768, device="cuda").to(dtype)
         scale = torch.ones(
             2048, device="cuda", dtype=torch.bfloat16 if dtype == torch.int8 else None
         )
-        gemv(torch.ones(m, 32768, device="cuda").bfloat16(), w, scale, cfg)
+        gemv(torch.ones(m, 32768, device="cuda").bfloat16(), w, scale, cfg, bits=bits)
     torch.cuda.synchronize()
     return len(jobs)
 
 
-def precompile(rows, workers: int) -> None:
-    """Compile every sweep kernel in `workers` processes at once (one compile is ~1 s serially)."""
+def precompile(rows, workers: int, chain: bool = False) -> None:
+    """Compile every sweep kernel in `workers` processes at once (one compile is ~1 s serially);
+    chain: the one-row fp8 kernels, converting and by bit placement."""
     import multiprocessing
 
-    jobs = [(m, dtype, cfg) for m in rows for dtype in (torch.float8_e4m3fn, torch.int8)
-            for cfg in (SWEEP if m == 1 else SHORT_SWEEP)]  # fmt: skip
+    if chain:
+        jobs = [(1, torch.float8_e4m3fn, cfg, bits) for cfg in SWEEP for bits in (False, True)]
+    else:
+        jobs = [(m, dtype, cfg, m == 1) for m in rows for dtype in (torch.float8_e4m3fn, torch.int8)
+                for cfg in (SWEEP if m == 1 else SHORT_SWEEP)]  # fmt: skip
     chunks = [jobs[i::workers] for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         done = sum(pool.map(_compile, chunks))
@@ -104,15 +108,15 @@ def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tupl
         if cfg[1] > k or (cfg[3] > 1 and k % (cfg[3] * cfg[1])):
             continue  # a split that does not divide K would run unsplit: timed already
         try:
-            out = gemv(x, f8.weight, f8.scale, cfg)
+            out = gemv(x, f8.weight, f8.scale, cfg, bits=True)
         except Exception as exc:  # a tile Triton cannot compile: skipped, and said
             print(f"  {name} M={m} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
             continue
         err = float((out.float() - want).norm() / want.norm())
         if err < 5e-3:
-            results.append((ms(lambda cfg=cfg: gemv(x, f8.weight, f8.scale, cfg)), cfg))
+            results.append((ms(lambda cfg=cfg: gemv(x, f8.weight, f8.scale, cfg, bits=True)), cfg))
     default_cfg = pick_config(m, n, k)
-    default = ms(lambda: gemv(x, f8.weight, f8.scale, default_cfg))
+    default = ms(lambda: gemv(x, f8.weight, f8.scale, default_cfg, bits=True))
     best_t, best = min(results, default=(default, default_cfg))
     if default < best_t:
         best_t, best = default, default_cfg
@@ -142,6 +146,59 @@ def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tupl
     return row, ((block_rows(m), n, k), best)
 
 
+def random_e4m3(n: int, k: int) -> torch.Tensor:
+    """An [n, k] e4m3 weight of random non-NaN codes (uniform bytes, NaN bytes moved to 448)."""
+    codes = torch.randint(0, 256, (n, k), device="cuda", dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] -= 1  # 0x7F / 0xFF (NaN) -> 0x7E / 0xFE (+-448)
+    return codes.view(torch.float8_e4m3fn)
+
+
+def time_chain(name: str, n: int, k: int, sweep, ceiling: float) -> tuple[dict, tuple]:
+    """One row, as a decode step runs it: a CUDA graph of the GEMV over `copies` distinct
+    weights of one shape (together past the L2 several times), replayed; us per GEMV for every
+    tile, converting and by bit placement, each checked against the fp32 product first."""
+    from ops.quant.gemv_tiles import pick_config
+    from ops.quant.gemv_triton import gemv
+
+    copies = max(2, min(128, -(-(1 << 30) // (n * k))))
+    weights = [random_e4m3(n, k) for _ in range(copies)]
+    scale = torch.rand(n, device="cuda") * 1e-2 + 1e-3
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    want = x.float() @ (weights[0].float() * scale[:, None]).T
+    results = {}
+    for cfg, bits in itertools.product([pick_config(1, n, k), *sweep], (False, True)):
+        if (cfg, bits) in results or cfg[1] > k or (cfg[3] > 1 and k % (cfg[3] * cfg[1])):
+            continue
+        out = gemv(x, weights[0], scale, cfg, bits=bits)  # compiled, split workspace made
+        if float((out.float() - want).norm() / want.norm()) >= 5e-3:
+            print(f"  {name} {cfg} bits={bits}: wrong result, skipped")
+            continue
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for w in weights:
+                gemv(x, w, scale, cfg, bits=bits)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        results[cfg, bits] = start.elapsed_time(end) * 1e3 / (5 * copies)  # us per GEMV
+        del graph
+    table_us = results[pick_config(1, n, k), False]
+    (conv_cfg, _), conv_us = min(((c, b), t) for (c, b), t in results.items() if not b)
+    best = min(results, key=results.get)
+    bits_us = min((t for (c, b), t in results.items() if b), default=None)
+    row = dict(shape=name, rows=1, n=n, k=k, copies=copies, table_us=round(table_us, 2),
+               table=list(pick_config(1, n, k)), converted_us=round(conv_us, 2),
+               converted=list(conv_cfg), bits_us=bits_us and round(bits_us, 2),
+               bits=list(min((c for c, b in results if b), key=lambda c: results[c, True])),
+               best=[*best[0], int(best[1])],
+               best_bw_frac=round(n * k / (results[best] / 1e6) / ceiling, 3))  # fmt: skip
+    return row, ((1, n, k), [*best[0], int(best[1])])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,2,4,8")
@@ -150,13 +207,19 @@ def main() -> None:
     parser.add_argument("--write-configs", default="", help="JSON file for the best tiles")
     parser.add_argument("--json", default="", help="JSON lines file for the rows")
     parser.add_argument("--precompile", type=int, default=0, help="compile in N processes first")
+    parser.add_argument("--chain", action="store_true",
+                        help="one row, fp8 only: time each tile in a CUDA graph of GEMVs over "
+                        "distinct weights, converting and by bit placement (--write-configs "
+                        "then holds [BLOCK_N, BLOCK_K, warps, split, bits])")  # fmt: skip
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if args.precompile and not args.no_sweep:
-        precompile(rows, args.precompile)
+        precompile(rows, args.precompile, args.chain)
     ceiling = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {ceiling / 1e12:.2f} TB/s", flush=True)
     names = [s for s in args.shapes.split(",") if s] or list(SHAPES)
+    if args.chain:
+        return chain_main(names, [] if args.no_sweep else SWEEP, ceiling, args)
     table, lines = {}, []
     for m in rows:
         sweep = [] if args.no_sweep else SWEEP if m == 1 else SHORT_SWEEP
@@ -182,6 +245,26 @@ def main() -> None:
               f"{r['int8_gemv_us']:7.1f} / {r['int8_torch_us'] or '-'} | "
               f"{r['fp8_raw_us']:7.1f} / {r['fp8_widen_us']:7.1f} | "
               f"{r['fp8_converted_table_us']:7.1f}")  # fmt: skip
+
+
+def chain_main(names, sweep, ceiling: float, args) -> None:
+    table, lines = {}, []
+    for name in names:
+        row, (key, best) = time_chain(name, *SHAPES[name], sweep, ceiling)
+        lines.append(row)
+        table[key] = best
+        print(json.dumps(row), flush=True)
+        if args.write_configs:
+            with open(args.write_configs, "w") as f:
+                json.dump([[list(k), list(cfg)] for k, cfg in table.items()], f)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in lines)
+    print("shape: us per GEMV in a graph chain | table tile converted | best converted | best bits")
+    for r in lines:
+        print(f"{r['shape']:>11}: {r['table_us']:7.2f} {tuple(r['table'])} | "
+              f"{r['converted_us']:7.2f} {tuple(r['converted'])} | {r['bits_us']:7.2f} "
+              f"{tuple(r['bits'])} | best {r['best']} at {r['best_bw_frac']:.2f} of copy")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ class Fp8Weight(QuantizedLinearWeight):
         return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
     def _bits(self) -> bool | None:
-        return None if self.gemv_bits else False  # None: the GEMV's default (FP8_BITS)
+        return None if self.gemv_bits else False  # None: the GEMV picks (gemv_tiles.fp8_takes_bits)
 
     def dequantize(self) -> torch.Tensor:
         """The reference weight [N, K]: fp8 * scale in fp32, rounded once to the activation dtype."""

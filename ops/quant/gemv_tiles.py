@@ -68,10 +68,38 @@ def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return (8 if n <= 8192 else 16), min(512, 1 << max(k - 1, 1).bit_length()), 4, 1
 
 
-def set_configs(table: dict[tuple[int, int, int], tuple[int, int, int, int]]) -> None:
-    """Replace the tile table (a benchmark's sweep result); shapes not in it take the rule."""
+# (1, N, K) where the fp8 GEMV measured faster reading e4m3 by bit placement than converting
+# (ops/quant/gemv_triton.py, E4M3_BITS; one row only): a chain of one shape's GEMVs in a CUDA
+# graph, tools/bench_fp8_linear.py --chain
+FP8_BITS_FASTER: set[tuple[int, int, int]] = set()
+ENV_FP8_BITS = "TORCH_RUNNER_GEMV_FP8_BITS"  # auto (default): FP8_BITS_FASTER | on | off
+FP8_BITS_MODES = ("auto", "on", "off")
+
+
+def set_configs(table: dict[tuple[int, int, int], tuple[int, ...]]) -> None:
+    """Replace the tile table (a benchmark's sweep result); shapes not in it take the rule. A
+    5th value in a tile (bench_fp8_linear.py --chain) is 1 where bit placement won the shape."""
     CONFIGS.clear()
-    CONFIGS.update(table)
+    CONFIGS.update({key: tuple(cfg[:4]) for key, cfg in table.items()})
+    FP8_BITS_FASTER.clear()
+    FP8_BITS_FASTER.update(key for key, cfg in table.items() if len(cfg) > 4 and cfg[4])
+
+
+def fp8_bits_mode() -> str:
+    """ENV_FP8_BITS, read once by ops/quant/gemv_triton.py."""
+    value = os.environ.get(ENV_FP8_BITS, "auto").strip().lower()
+    if value not in FP8_BITS_MODES:
+        raise ValueError(
+            f"{ENV_FP8_BITS}={value!r}: allowed values are {', '.join(FP8_BITS_MODES)}"
+        )
+    return value
+
+
+def fp8_takes_bits(m: int, n: int, k: int, mode: str) -> bool:
+    """Whether one row of an fp8 GEMV reads the weight by bit placement under `mode`."""
+    if mode == "off" or m != 1:
+        return False
+    return mode == "on" or (1, n, k) in FP8_BITS_FASTER
 
 
 def fp8_takes_gemv(m: int, n: int, k: int, max_rows: int) -> bool:

@@ -38,7 +38,13 @@ import triton
 import triton.language as tl
 
 from ops.quant.fp8 import E4M3_F32_MASK, E4M3_F32_UNBIAS
-from ops.quant.gemv_tiles import block_rows, pick_bf16_config, pick_config
+from ops.quant.gemv_tiles import (
+    block_rows,
+    fp8_bits_mode,
+    fp8_takes_bits,
+    pick_bf16_config,
+    pick_config,
+)
 
 WORKSPACE_FLOATS = 2**22  # fp32 partials [SPLIT_K, BLOCK_M, N] of one split call (16 MiB)
 MAX_COUNTERS = 2**16  # column blocks of one split call
@@ -53,11 +59,7 @@ _widen_raw = os.environ.get(ENV_WIDEN, "1").strip()
 if _widen_raw not in ("0", "1"):
     raise ValueError(f"{ENV_WIDEN}={_widen_raw!r}: allowed values are 0 and 1")
 WIDEN_1BYTE = _widen_raw == "1"
-ENV_FP8_BITS = "TORCH_RUNNER_GEMV_FP8_BITS"  # "1" (default): e4m3 by bit placement, "0": WIDEN
-_bits_raw = os.environ.get(ENV_FP8_BITS, "1").strip()
-if _bits_raw not in ("0", "1"):
-    raise ValueError(f"{ENV_FP8_BITS}={_bits_raw!r}: allowed values are 0 and 1")
-FP8_BITS = _bits_raw == "1"
+FP8_BITS_MODE = fp8_bits_mode()  # where e4m3 is read by bit placement (gemv_tiles); read once
 
 
 # e4m3 weights by bit placement (E4M3_BITS): the sign-extended byte shifted left 20 and masked
@@ -247,8 +249,9 @@ def gemv(
     ceil(K / bk)] (fp8 checkpoints' `weight_block_size`). config: (BLOCK_N, BLOCK_K, num_warps,
     SPLIT_K) to override the table (the fp8 / int8 one, or the bf16 one when scale is None).
     widen: carry 1-byte weight slices as fp16 (default WIDEN_1BYTE; ignored for 2-byte ones).
-    bits: read e4m3 weights by bit placement at one row (default FP8_BITS; needs weights without
-    e4m3 NaN bytes, which would read as 480; ignored for other weights and for 2+ rows)."""
+    bits: read e4m3 weights by bit placement at one row (default: gemv_tiles.fp8_takes_bits under
+    FP8_BITS_MODE); False for weights holding e4m3 NaN bytes, which it would read as 480;
+    ignored for other weights and for 2+ rows."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
@@ -277,6 +280,7 @@ def gemv(
                                WIDEN=weight.element_size() == 1
                                and (WIDEN_1BYTE if widen is None else widen),
                                E4M3_BITS=block_m == 1 and weight.dtype == torch.float8_e4m3fn
-                               and (FP8_BITS if bits is None else bits),
+                               and (fp8_takes_bits(m, n, k, FP8_BITS_MODE) if bits is None
+                                    else bits),
                                num_warps=warps)  # fmt: skip
     return out
