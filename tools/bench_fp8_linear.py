@@ -187,7 +187,8 @@ def time_chain(name: str, n: int, k: int, sweep, ceiling: float) -> tuple[dict, 
         results[cfg, bits] = start.elapsed_time(end) * 1e3 / (5 * copies)  # us per GEMV
         del graph
     table_us = results[pick_config(1, n, k), False]
-    (conv_cfg, _), conv_us = min(((c, b), t) for (c, b), t in results.items() if not b)
+    conv_cfg = min((c for c, b in results if not b), key=lambda c: results[c, False])
+    conv_us = results[conv_cfg, False]
     best = min(results, key=results.get)
     bits_us = min((t for (c, b), t in results.items() if b), default=None)
     row = dict(shape=name, rows=1, n=n, k=k, copies=copies, table_us=round(table_us, 2),
