@@ -41,6 +41,7 @@ from ops.quant.fp8 import E4M3_F32_MASK, E4M3_F32_UNBIAS
 from ops.quant.gemv_tiles import (
     block_rows,
     fp8_bits_mode,
+    fp8_reads_raw,
     fp8_takes_bits,
     pick_bf16_config,
     pick_config,
@@ -248,7 +249,8 @@ def gemv(
     block (bn, bk): scale holds one fp32 value per (bn, bk) block of the weight, [ceil(N / bn),
     ceil(K / bk)] (fp8 checkpoints' `weight_block_size`). config: (BLOCK_N, BLOCK_K, num_warps,
     SPLIT_K) to override the table (the fp8 / int8 one, or the bf16 one when scale is None).
-    widen: carry 1-byte weight slices as fp16 (default WIDEN_1BYTE; ignored for 2-byte ones).
+    widen: carry 1-byte weight slices as fp16 (default WIDEN_1BYTE, unless one row of an fp8
+    shape measured faster carrying raw bytes: gemv_tiles.FP8_READS; ignored for 2-byte ones).
     bits: read e4m3 weights by bit placement at one row (default: gemv_tiles.fp8_takes_bits under
     FP8_BITS_MODE); False for weights holding e4m3 NaN bytes, which it would read as 480;
     ignored for other weights and for 2+ rows."""
@@ -277,8 +279,9 @@ def gemv(
                                BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
                                EVEN_K=k_split % block_k == 0, HAS_SCALE=scale is not None,
                                SCALE_BN=scale_bn, SCALE_BK=scale_bk, HAS_BIAS=bias is not None,
-                               WIDEN=weight.element_size() == 1
-                               and (WIDEN_1BYTE if widen is None else widen),
+                               WIDEN=weight.element_size() == 1 and (widen if widen is not None
+                               else WIDEN_1BYTE and not (weight.dtype == torch.float8_e4m3fn
+                                                         and fp8_reads_raw(m, n, k))),
                                E4M3_BITS=block_m == 1 and weight.dtype == torch.float8_e4m3fn
                                and (fp8_takes_bits(m, n, k, FP8_BITS_MODE) if bits is None
                                     else bits),
