@@ -9,6 +9,8 @@ shapes where `_scaled_mm` (activations quantized to e4m3, tensor cores) beat the
 At one row the GEMV won every shape (1.03-1.5x faster than bf16 F.linear, 1.06-8.9x faster than
 `_scaled_mm`); from 2 rows its per-slice reduction makes the wide shapes compute-bound (2 rows
 cost ~1.9x one on the heads), and at 4-8 rows `_scaled_mm` wins most of them.
+One row was measured again on 2026-12-04 as decode runs it (--chain: a CUDA graph of one shape's
+GEMVs over distinct weights), which favours smaller programs than the L2-cleared do_bench did.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ MAX_ROWS = 8  # BLOCK_M: the kernel keeps every row's accumulator in registers
 UNMEASURED_MAX_ROWS = 1  # fp8 shapes not in the table take the GEMV up to this many rows
 # (BLOCK_M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT_K), H200; one row: 2026-12-04, the
 # fastest tile converting as loaded in a CUDA-graph chain of the shape's GEMVs (bench_fp8_linear
-# --chain; Llama-8B decode 307.9 -> 330.9 tok/s, 1B 1,144.8 -> 1,213.6 in one call); 2-8 rows:
-# 2026-12-02, do_bench with the L2 cleared
+# --chain, 19:35: one-warp programs of 4-8 channels won the wide matrices; Llama-8B decode 330.8
+# -> 340.9 tok/s over the 19:29 chain table, 307.9 before it; 1B 1,206.6 -> 1,279.5, 1,144.8);
+# 2-8 rows: 2026-12-02, do_bench with the L2 cleared
 CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    (1, 3072, 2048): (4, 512, 4, 1), (1, 2048, 2048): (2, 1024, 4, 1),
-    (1, 16384, 2048): (8, 256, 4, 1), (1, 2048, 8192): (2, 1024, 4, 1),
-    (1, 128256, 2048): (8, 256, 2, 1), (1, 6144, 4096): (8, 512, 4, 1),
-    (1, 4096, 4096): (4, 512, 4, 1), (1, 28672, 4096): (8, 256, 4, 1),
-    (1, 4096, 14336): (4, 512, 4, 1), (1, 128256, 4096): (8, 256, 2, 1),
+    (1, 3072, 2048): (2, 512, 2, 1), (1, 2048, 2048): (2, 1024, 4, 1),
+    (1, 16384, 2048): (8, 256, 1, 1), (1, 2048, 8192): (2, 1024, 4, 1),
+    (1, 128256, 2048): (4, 256, 1, 1), (1, 6144, 4096): (8, 512, 4, 1),
+    (1, 4096, 4096): (2, 512, 2, 1), (1, 28672, 4096): (4, 256, 1, 1),
+    (1, 4096, 14336): (4, 512, 4, 1), (1, 128256, 4096): (4, 256, 1, 1),
     (2, 3072, 2048): (4, 512, 4, 1), (2, 2048, 2048): (16, 256, 4, 4),
     (2, 16384, 2048): (16, 512, 4, 1), (2, 2048, 8192): (8, 512, 4, 4),
     (2, 128256, 2048): (16, 512, 4, 1), (2, 6144, 4096): (8, 512, 4, 1),
