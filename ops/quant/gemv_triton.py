@@ -63,17 +63,19 @@ WIDEN_1BYTE = _widen_raw == "1"
 FP8_BITS_MODE = fp8_bits_mode()  # where e4m3 is read by bit placement (gemv_tiles); read once
 
 
-# e4m3 weights by bit placement (E4M3_BITS): the sign-extended byte shifted left 20 and masked
-# to 0x87F00000 is an fp32 whose value is the e4m3 value * 2^-120, subnormals included (e4m3
-# subnormals land on fp32 subnormals; Triton's fp32 FMA keeps them: no .ftz in its PTX). Three
-# integer ops a weight instead of the two conversions of WIDEN (e4m3x2 -> f16x2, f16 -> f32 on
-# the 16-a-clock conversion unit: the WIDEN loop streamed the 8B chain at ~2.8 TB/s). x is
+# e4m3 weights by bit placement (E4M3_BITS, one row): the sign-extended byte shifted left 20 and
+# masked to 0x87F00000 is an fp32 whose value is the e4m3 value * 2^-120, subnormals included
+# (e4m3 subnormals land on fp32 subnormals; Triton's fp32 FMA keeps them: no .ftz in its PTX):
+# three integer ops a weight instead of two conversions (e4m3x2 -> f16x2, f16 -> f32). x is
 # multiplied by 2^60 as loaded and the sum by 2^60 after the loop, both exact powers of two, so
-# every product and sum is the WIDEN path's bit for bit, unless |w * x| < 2^-66 (then subnormal:
-# an absolute error under 2^-89 a product, before the scale) or |x| > 2^68 (x * 2^60 overflows):
-# a program whose scaled sums are not all finite runs its slices again through WIDEN, so huge,
-# infinite and NaN activations give what WIDEN gives. e4m3 NaN bytes (0x7F / 0xFF) would read
-# as 480: weights holding them must not take this path (Fp8Weight checks once, at load).
+# the products are WIDEN's, unless |w * x| < 2^-66 (then subnormal: an absolute error under 2^-89
+# a product, before the scale) or |x| > 2^68 (x * 2^60 overflows): a program whose scaled sums
+# are not all finite runs its slices again through WIDEN, so huge, infinite and NaN activations
+# give what WIDEN gives. e4m3 NaN bytes (0x7F / 0xFF) would read as 480: weights holding them
+# must not take this path (Fp8Weight checks once, at load). Measured slower than WIDEN on every
+# Llama shape on the H200 (2-30% in a CUDA-graph chain, 2026-12-04: the loop is bound by issue,
+# not by the conversion unit), so only the table's FP8_READS or TORCH_RUNNER_GEMV_FP8_BITS=on
+# select it.
 E4M3_MASK = tl.constexpr(E4M3_F32_MASK - 2**32)  # as int32: bit 31 and bits 20-26
 E4M3_UNBIAS = tl.constexpr(2.0 ** (E4M3_F32_UNBIAS // 2))  # x * 2^60, sum * 2^60: the 2^-120
 INF = tl.constexpr(float("inf"))
