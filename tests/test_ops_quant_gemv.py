@@ -45,6 +45,15 @@ def gemv_case(m, n, k, kind, dtype=torch.bfloat16, device="cpu", seed=0):
     return x, packed, scale, want
 
 
+def every_e4m3_code(n, k, device="cpu", seed=0):
+    """An [n, k] e4m3 weight of random codes, each of the 254 non-NaN ones (subnormals, +-0,
+    +-448) equally likely."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 254, (n, k), generator=gen)
+    codes = codes + (codes >= 0x7F).long()  # skip 0x7F (NaN); 254 -> 255 never drawn, 0xFF NaN
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn).to(device)
+
+
 def block_case(m, n, k, block, device="cpu", seed=0):
     """(x, e4m3 weight, block scales [ceil(n/bn), ceil(k/bk)], fp32 oracle), scales spread 16x."""
     from ops.quant.fp8 import dequantize
@@ -63,7 +72,7 @@ def rel_err(got, want) -> float:
 
 INTERPRETER_CHECK = """
 import torch
-from test_ops_quant_gemv import BLOCK_CASES, CASES, block_case, gemv_case, rel_err
+from test_ops_quant_gemv import BLOCK_CASES, CASES, block_case, every_e4m3_code, gemv_case, rel_err
 from ops.quant.gemv_triton import _workspaces, gemv
 for kind in ("fp8", "int8"):
     for i, (m, n, k, cfg) in enumerate(CASES):
@@ -83,6 +92,13 @@ for kind in ("fp8", "int8"):
     x, w, s, want = gemv_case(3, 24, 200, kind, dtype=torch.float32, seed=9)
     # fp32: the sums themselves (2e-5 apart from the BLAS oracle: another summation order)
     torch.testing.assert_close(gemv(x, w, s), want, rtol=1e-4, atol=1e-4)
+# one row, e4m3 read by bit placement: the conversion path's sums bit for bit (every code but NaN,
+# subnormals and zeros included; x * 2^60 overflowing past 2^68 reruns the slices converted)
+for i, (m, n, k, cfg) in enumerate(c for c in CASES if c[0] == 1):
+    x, w, s, want = gemv_case(m, n, k, "fp8", seed=i)
+    w = every_e4m3_code(n, k, seed=i)
+    x[0, : k // 3] *= 2.0**70 if i == 1 else 1.0
+    assert torch.equal(gemv(x, w, s, cfg, bits=True), gemv(x, w, s, cfg, bits=False, widen=True))
 # block scales: ragged blocks at both edges, a tile wider than a block (sliced to it), split-K
 for i, (m, n, k, block, cfg) in enumerate(BLOCK_CASES):
     x, w, s, want = block_case(m, n, k, block, seed=i)
@@ -97,6 +113,22 @@ print("ok")
 )
 def test_gemv_equals_the_dequantised_matmul_in_the_interpreter():
     assert_interpreter_ok(INTERPRETER_CHECK)
+
+
+def test_e4m3_bit_placement_is_each_code_times_2_pow_minus_120():
+    """The one-row GEMV's conversion-free read of e4m3 (ops.quant.fp8.e4m3_bits_reference is its
+    torch twin): exact for all 254 non-NaN codes, subnormals and -0 included; NaN reads as 480."""
+    from ops.quant.fp8 import E4M3_F32_UNBIAS, e4m3_bits_reference
+
+    codes = torch.arange(256).to(torch.uint8).view(torch.float8_e4m3fn)
+    got = e4m3_bits_reference(codes).double() * 2.0**E4M3_F32_UNBIAS
+    want = codes.double()
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite]) and int(finite.sum()) == 254
+    assert torch.equal(got[finite].signbit(), want[finite].signbit())  # -0 stays -0
+    assert got[~finite].tolist() == [480.0, -480.0]
+    subnormal = e4m3_bits_reference(codes[1:8])
+    assert (subnormal > 0).all() and (subnormal < torch.finfo(torch.float32).tiny).all()
 
 
 def test_gemv_rejects_more_rows_than_it_holds():
@@ -125,6 +157,97 @@ def test_cuda_gemv_equals_the_dequantised_matmul(kind, m, n, k):
     assert torch.equal(gemv(x, w, s, widen=True), gemv(x, w, s, widen=False))
 
 
+def exact_sum_case(n, k, dtype, device="cuda", seed=0):
+    """x in {-2..2}, every e4m3 code of magnitude <= 2 (subnormals and +-0 included), power-of-
+    two scales: every product and partial sum is a multiple of 2^-9 below 2^15, exact in fp32
+    in any order, so any correct kernel gives the oracle's bits."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (1, k), generator=gen).to(dtype)
+    codes = torch.randint(0, 0x41, (n, k), generator=gen) | (torch.randint(0, 2, (n, k)) << 7)
+    w = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    s = 2.0 ** torch.randint(-3, 4, (n,), generator=gen).float()
+    want = (x.double() @ (w.double() * s.double()[:, None]).T).to(dtype)
+    return x.to(device), w.to(device), s.to(device), want.to(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "n,k,cfg",
+    [
+        (3072, 2048, None),
+        (4100, 1000, None),
+        (2048, 8192, (8, 512, 4, 4)),
+        (40, 300, (8, 128, 4, 2)),
+    ],
+)
+def test_cuda_e4m3_bits_gemv_is_exact_where_the_sums_are(dtype, n, k, cfg):
+    """One row by bit placement (2^60 on x, 2^60 on the sum): on sums exact in fp32 it gives the
+    oracle's bits, subnormal weights included, like the conversion path; on random data it
+    stays within fp32 rounding of the conversion path (another summation order: its own layout)."""
+    from ops.quant.gemv_triton import gemv
+
+    x, w, s, want = exact_sum_case(n, k, dtype, seed=n + k)
+    for bits in (True, False):
+        assert torch.equal(gemv(x, w, s, cfg, bits=bits), want), bits
+    x, _, s, _ = gemv_case(1, n, k, "fp8", dtype=dtype, device="cuda", seed=n + k)
+    w = every_e4m3_code(n, k, device="cuda", seed=k)
+    s = s * 2.0**-8  # fp16 outputs stay finite (|w| up to 448)
+    got = gemv(x, w, s, cfg, bits=True)
+    conv = gemv(x, w, s, cfg, bits=False, widen=True)
+    want = x.float() @ (w.float() * s[:, None]).T
+    assert rel_err(got, want) < (5e-3 if dtype != torch.float32 else 1e-5)
+    assert rel_err(got, conv) < (5e-3 if dtype != torch.float32 else 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_e4m3_bits_gemv_with_huge_or_nonfinite_x_gives_what_the_conversion_path_gives(dtype):
+    """|x| past 2^68 overflows x * 2^60: those programs rerun their slices converted, so huge,
+    infinite and NaN activations come out as the conversion path's (inf where its fp32 sum
+    overflows before the scale, finite where it does not)."""
+    from ops.quant.gemv_triton import gemv
+
+    n, k = 4096, 4096
+    w = every_e4m3_code(n, k, device="cuda", seed=3)
+    s = torch.rand(n, device="cuda") * 1e-20 + 1e-21  # huge x times tiny scales: finite outputs
+    for value in (2.0**70, 2.0**100, 3.0e38, float("inf"), float("nan")):
+        x = torch.randn(1, k, device="cuda").to(dtype)
+        x[0, 7] = value
+        got = gemv(x, w, s, bits=True)
+        conv = gemv(x, w, s, bits=False, widen=True)
+        assert torch.equal(got.isnan(), conv.isnan()) and torch.equal(got.isinf(), conv.isinf())
+        assert torch.equal(got[got.isinf()], conv[conv.isinf()])
+        finite = torch.isfinite(conv)
+        if value < 2.0**110:  # 448 * |x| fits fp32: finite, as the conversion path
+            assert finite.all()
+        if finite.any():
+            assert rel_err(got[finite], conv[finite]) < 1e-2
+    x = torch.randn(1, k, device="cuda").to(dtype) * 2.0**-40  # tiny x: 2^60 keeps it normal
+    s = torch.rand(n, device="cuda") + 0.5  # (outputs near 1e-10: rel_err's fp32 norm holds)
+    want = x.double() @ (w.double() * s.double()[:, None]).T
+    assert rel_err(gemv(x, w, s, bits=True).double(), want) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_cuda_fp8_weight_with_a_nan_byte_keeps_the_nan_through_the_conversion_path():
+    """The bit placement would read an e4m3 NaN as 480: Fp8Weight sees the NaN at load and its
+    one-row matmuls convert instead, so the NaN reaches the output as in the reference."""
+    from ops.quant.fp8 import Fp8Weight
+
+    w = every_e4m3_code(1024, 2048, device="cuda", seed=1)
+    clean = Fp8Weight(w, torch.ones(1024), torch.bfloat16)
+    w_nan = w.clone()
+    w_nan.view(torch.uint8)[5, 9] = 0x7F
+    packed = Fp8Weight(w_nan, torch.ones(1024), torch.bfloat16)
+    assert clean.gemv_bits and not packed.gemv_bits
+    got = ops.linear(torch.randn(1, 2048, device="cuda").bfloat16(), packed)
+    assert got[0, 5].isnan() and torch.isfinite(got[0, torch.arange(1024) != 5]).all()
+
+
 TILE = (8, 256, 4, 1)
 
 
@@ -147,6 +270,28 @@ def test_fp8_takes_the_gemv_where_the_table_measured_it_faster(monkeypatch):
     assert not fp8_takes_gemv(1, 1024, 2048, 0) and not fp8_takes_gemv(2, 1024, 2048, 1)
     assert pick_config(2, 1024, 2048) == TILE
     assert pick_config(1, 1024, 2048) == (8, 512, 4, 1)  # the rule, for a shape not measured
+
+
+def test_a_chain_table_marks_how_one_row_reads_e4m3_per_shape(monkeypatch):
+    """bench_fp8_linear.py --chain writes 5-value tiles: the 5th says how one row read e4m3
+    fastest (0 converted as loaded, 1 bit placement, 2 raw bytes); TORCH_RUNNER_GEMV_FP8_BITS
+    auto follows it for bit placement, on / off override it."""
+    from ops.quant import gemv_tiles
+
+    monkeypatch.setattr(gemv_tiles, "CONFIGS", dict(gemv_tiles.CONFIGS))
+    monkeypatch.setattr(gemv_tiles, "FP8_READS", dict(gemv_tiles.FP8_READS))
+    gemv_tiles.set_configs({(1, 1024, 2048): (8, 256, 4, 1, 1), (1, 2048, 2048): (4, 512, 4, 1, 0),
+                            (1, 4096, 2048): (4, 512, 4, 1, 2), (2, 1024, 2048): TILE})  # fmt: skip
+    assert gemv_tiles.pick_config(1, 1024, 2048) == (8, 256, 4, 1)
+    assert gemv_tiles.FP8_READS == {(1, 1024, 2048): 1, (1, 4096, 2048): 2}
+    assert gemv_tiles.fp8_reads_raw(1, 4096, 2048) and not gemv_tiles.fp8_reads_raw(1, 1024, 2048)
+    takes = gemv_tiles.fp8_takes_bits
+    assert takes(1, 1024, 2048, "auto") and not takes(1, 2048, 2048, "auto")
+    assert not takes(2, 1024, 2048, "auto") and not takes(2, 1024, 2048, "on")
+    assert takes(1, 2048, 2048, "on") and not takes(1, 1024, 2048, "off")
+    monkeypatch.setenv(gemv_tiles.ENV_FP8_BITS, "maybe")
+    with pytest.raises(ValueError, match="TORCH_RUNNER_GEMV_FP8_BITS='maybe'.*auto, on, off"):
+        gemv_tiles.fp8_bits_mode()
 
 
 @pytest.mark.gpu

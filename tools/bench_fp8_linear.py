@@ -10,7 +10,9 @@ Why: at batch 1 the fp8 decode step was no faster than bf16 (docs/performance-lo
 ops/quant/gemv_tiles.py are measured, not guessed. --write-configs saves the best tiles as JSON;
 tools/bench_cuda_decode.py --gemv-configs runs a model with them. Each row also times the best
 tile with the 1-byte slices widened to fp16 as loaded (`widen`, gemv_triton.WIDEN_1BYTE), fp8
-and int8, against the same tile carrying the raw bytes.
+and int8, against the same tile carrying the raw bytes; at one row the fp8 sweep runs the e4m3
+bit placement (`bits=True`) and each row also times the conversion path (`bits=False`)
+at the table's tile, the kernel it replaces.
 
     PYTHONPATH=. python tools/bench_fp8_linear.py --rows 1,2,4,8 --write-configs /tmp/gemv.json
 """
@@ -36,6 +38,16 @@ SHAPES = {  # name: (N, K) of the fused projections
 SWEEP = [c for c in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (1,))
          if c[:3] != (16, 1024, 4)]  # fmt: skip
 SWEEP += [(*t, s) for t in ((4, 512, 4), (8, 256, 4), (8, 512, 4), (4, 1024, 8)) for s in (2, 4, 8)]
+# for the one-row e4m3 bit placement (x read per weight row): narrower and wider slices
+SWEEP += [(2, 1024, 4, 1), (2, 2048, 8, 1), (4, 2048, 8, 1), (32, 256, 8, 1), (8, 256, 2, 1),
+          (4, 512, 2, 1)]  # fmt: skip
+# the chain (one row, in a graph): the winners there were small programs (2-4 warps, 2-8
+# channels), so more of those (at most 64 weights a thread: more spill), splits for long rows
+CHAIN_SWEEP = SWEEP + [(bn, bk, w, 1) for bn, bk, w in itertools.product(
+    (1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048), (1, 2, 4)) if 512 <= bn * bk <= 64 * 32 * w
+    and (bn, bk, w, 1) not in SWEEP] + [(*t, s) for t in ((2, 1024, 4), (4, 512, 4), (8, 256, 2))
+                                        for s in (2, 4)]  # fmt: skip
+READS = {0: dict(bits=False, widen=True), 1: dict(bits=True), 2: dict(bits=False, widen=False)}
 SHORT_SWEEP = [(*t, s) for t in ((4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4),
                                  (16, 256, 4)) for s in (1, 4)]  # fmt: skip
 
@@ -47,26 +59,30 @@ def ms(fn) -> float:
 
 
 def _compile(jobs) -> int:
-    """Run the GEMV once per (rows, weight dtype, config) on a shape every split divides: the
-    kernels land in Triton's on-disk cache, where the sweep then finds them."""
+    """Run the GEMV once per (rows, weight dtype, config, bits) on a shape every split divides:
+    the kernels land in Triton's on-disk cache, where the sweep then finds them."""
     from ops.quant.gemv_triton import gemv
 
-    for m, dtype, cfg in jobs:  # int8 scales are in the activation dtype, fp8's in fp32
+    for m, dtype, cfg, read in jobs:  # int8 scales are in the activation dtype, fp8's in fp32
         w = torch.ones(2048, 32768, device="cuda").to(dtype)
         scale = torch.ones(
             2048, device="cuda", dtype=torch.bfloat16 if dtype == torch.int8 else None
         )
-        gemv(torch.ones(m, 32768, device="cuda").bfloat16(), w, scale, cfg)
+        gemv(torch.ones(m, 32768, device="cuda").bfloat16(), w, scale, cfg, **READS[int(read)])
     torch.cuda.synchronize()
     return len(jobs)
 
 
-def precompile(rows, workers: int) -> None:
-    """Compile every sweep kernel in `workers` processes at once (one compile is ~1 s serially)."""
+def precompile(rows, workers: int, chain: bool = False) -> None:
+    """Compile every sweep kernel in `workers` processes at once (one compile is ~1 s serially);
+    chain: the one-row fp8 kernels, converting and by bit placement."""
     import multiprocessing
 
-    jobs = [(m, dtype, cfg) for m in rows for dtype in (torch.float8_e4m3fn, torch.int8)
-            for cfg in (SWEEP if m == 1 else SHORT_SWEEP)]  # fmt: skip
+    if chain:
+        jobs = [(1, torch.float8_e4m3fn, cfg, read) for cfg in CHAIN_SWEEP for read in READS]
+    else:
+        jobs = [(m, dtype, cfg, int(m == 1)) for m in rows for dtype in (torch.float8_e4m3fn, torch.int8)
+                for cfg in (SWEEP if m == 1 else SHORT_SWEEP)]  # fmt: skip
     chunks = [jobs[i::workers] for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         done = sum(pool.map(_compile, chunks))
@@ -99,20 +115,23 @@ def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tupl
         if cfg[1] > k or (cfg[3] > 1 and k % (cfg[3] * cfg[1])):
             continue  # a split that does not divide K would run unsplit: timed already
         try:
-            out = gemv(x, f8.weight, f8.scale, cfg)
+            out = gemv(x, f8.weight, f8.scale, cfg, bits=True)
         except Exception as exc:  # a tile Triton cannot compile: skipped, and said
             print(f"  {name} M={m} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
             continue
         err = float((out.float() - want).norm() / want.norm())
         if err < 5e-3:
-            results.append((ms(lambda cfg=cfg: gemv(x, f8.weight, f8.scale, cfg)), cfg))
+            results.append((ms(lambda cfg=cfg: gemv(x, f8.weight, f8.scale, cfg, bits=True)), cfg))
     default_cfg = pick_config(m, n, k)
-    default = ms(lambda: gemv(x, f8.weight, f8.scale, default_cfg))
+    default = ms(lambda: gemv(x, f8.weight, f8.scale, default_cfg, bits=True))
     best_t, best = min(results, default=(default, default_cfg))
     if default < best_t:
         best_t, best = default, default_cfg
-    # the best tile again with each slice converted to fp16 as loaded (gemv_triton.WIDEN_1BYTE)
-    widen = [ms(lambda w=w: gemv(x, f8.weight, f8.scale, best, widen=w)) for w in (False, True)]
+    # the best tile again with each slice converted to fp16 as loaded (gemv_triton.WIDEN_1BYTE),
+    # and the conversion path at the table's tile (one row: the sweep ran the bit placement)
+    widen = [ms(lambda w=w: gemv(x, f8.weight, f8.scale, best, widen=w, bits=False))
+             for w in (False, True)]  # fmt: skip
+    converted = ms(lambda: gemv(x, f8.weight, f8.scale, default_cfg, bits=False))
     int8_gemv = ms(lambda: gemv(x, i8.qweight, i8.scales, best))
     int8_widen = ms(lambda: gemv(x, i8.qweight, i8.scales, best, widen=True))
     bf16_gemv = ms(lambda: gemv(x, w, None)) if m == 1 else None  # the bf16 table's tile
@@ -127,10 +146,74 @@ def time_shape(name: str, m: int, n: int, k: int, sweep, ceiling: float) -> tupl
                fp8_over_bf16=round(bf16 / min(best_t, scaled), 2),
                fp8_raw_us=round(widen[0] * 1e3, 1), fp8_widen_us=round(widen[1] * 1e3, 1),
                widen_speedup=round(widen[0] / widen[1], 3),
+               fp8_converted_table_us=round(converted * 1e3, 1),
                int8_gemv_us=round(int8_gemv * 1e3, 1), int8_widen_us=round(int8_widen * 1e3, 1),
                int8_torch_us=int8_torch and round(int8_torch, 1),
                bf16_gemv_us=bf16_gemv and round(bf16_gemv * 1e3, 1))  # fmt: skip
     return row, ((block_rows(m), n, k), best)
+
+
+def random_e4m3(n: int, k: int) -> torch.Tensor:
+    """An [n, k] e4m3 weight of random non-NaN codes (uniform bytes, NaN bytes moved to 448)."""
+    codes = torch.randint(0, 256, (n, k), device="cuda", dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] -= 1  # 0x7F / 0xFF (NaN) -> 0x7E / 0xFE (+-448)
+    return codes.view(torch.float8_e4m3fn)
+
+
+def time_chain(name: str, n: int, k: int, sweep, ceiling: float) -> tuple[dict, tuple]:
+    """One row, as a decode step runs it: a CUDA graph of the GEMV over `copies` distinct
+    weights of one shape (together past the L2 several times), replayed; us per GEMV for every
+    tile and way to read e4m3 (READS: converted as loaded, bit placement, raw bytes), each
+    checked against the fp32 product first."""
+    from ops.quant.gemv_tiles import pick_config
+    from ops.quant.gemv_triton import gemv
+
+    copies = max(2, min(128, -(-(1 << 30) // (n * k))))
+    weights = [random_e4m3(n, k) for _ in range(copies)]
+    scale = torch.rand(n, device="cuda") * 1e-2 + 1e-3
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    want = x.float() @ (weights[0].float() * scale[:, None]).T
+
+    def time_graph(cfg, read) -> float:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for w in weights:
+                gemv(x, w, scale, cfg, **READS[read])
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / (5 * copies)  # us per GEMV
+
+    results = {}
+    for cfg, read in itertools.product([pick_config(1, n, k), *sweep], READS):
+        if (cfg, read) in results or cfg[1] > k or (cfg[3] > 1 and k % (cfg[3] * cfg[1])):
+            continue
+        out = gemv(x, weights[0], scale, cfg, **READS[read])  # compiled, split workspace made
+        if float((out.float() - want).norm() / want.norm()) >= 5e-3:
+            print(f"  {name} {cfg} read={read}: wrong result, skipped")
+            continue
+        results[cfg, read] = time_graph(cfg, read)
+    # the 4 fastest and the table's tile again, 3 rounds interleaved: the median (one round
+    # each picks noise among near-equal tiles)
+    again = sorted(results, key=results.get)[:4] + [(pick_config(1, n, k), 0)]
+    rounds = {c: [results[c]] for c in again}
+    for _ in range(3):
+        for c in again:
+            rounds[c].append(time_graph(*c))
+    results.update({c: sorted(t)[len(t) // 2] for c, t in rounds.items()})
+    best = min(again, key=results.get)
+    row = dict(shape=name, rows=1, n=n, k=k, copies=copies, table=list(pick_config(1, n, k)),
+               table_us=round(results[pick_config(1, n, k), 0], 2))  # fmt: skip
+    for read, label in ((0, "converted"), (1, "bits"), (2, "raw")):
+        cfg = min((c for c, r in results if r == read), key=lambda c: results[c, read])
+        row[label], row[label + "_us"] = list(cfg), round(results[cfg, read], 2)
+    row["best"] = [*best[0], best[1]]
+    row["best_bw_frac"] = round(n * k / (results[best] / 1e6) / ceiling, 3)
+    return row, ((1, n, k), row["best"])
 
 
 def main() -> None:
@@ -141,13 +224,19 @@ def main() -> None:
     parser.add_argument("--write-configs", default="", help="JSON file for the best tiles")
     parser.add_argument("--json", default="", help="JSON lines file for the rows")
     parser.add_argument("--precompile", type=int, default=0, help="compile in N processes first")
+    parser.add_argument("--chain", action="store_true",
+                        help="one row, fp8 only: time each tile in a CUDA graph of GEMVs over "
+                        "distinct weights, converting and by bit placement (--write-configs "
+                        "then holds [BLOCK_N, BLOCK_K, warps, split, bits])")  # fmt: skip
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if args.precompile and not args.no_sweep:
-        precompile(rows, args.precompile)
+        precompile(rows, args.precompile, args.chain)
     ceiling = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {ceiling / 1e12:.2f} TB/s", flush=True)
     names = [s for s in args.shapes.split(",") if s] or list(SHAPES)
+    if args.chain:
+        return chain_main(names, [] if args.no_sweep else CHAIN_SWEEP, ceiling, args)
     table, lines = {}, []
     for m in rows:
         sweep = [] if args.no_sweep else SWEEP if m == 1 else SHORT_SWEEP
@@ -165,13 +254,37 @@ def main() -> None:
             f.writelines(json.dumps(r) + "\n" for r in lines)
     print(
         "shape rows: bf16 us | _scaled_mm us | gemv us (best tile, HBM frac) | int8 gemv / torch us"
-        " | fp8 raw / widened us (same tile, timed again)"
+        " | fp8 raw / widened us (same tile, timed again) | converted at the table's tile"
     )
     for r in lines:
         print(f"{r['shape']:>11} {r['rows']}: {r['bf16_us']:7.1f} | {r['scaled_mm_us']:7.1f} | "
               f"{r['gemv_best_us']:7.1f} ({tuple(r['gemv_best'])}, {r['gemv_bw_frac']:.2f}) | "
               f"{r['int8_gemv_us']:7.1f} / {r['int8_torch_us'] or '-'} | "
-              f"{r['fp8_raw_us']:7.1f} / {r['fp8_widen_us']:7.1f}")  # fmt: skip
+              f"{r['fp8_raw_us']:7.1f} / {r['fp8_widen_us']:7.1f} | "
+              f"{r['fp8_converted_table_us']:7.1f}")  # fmt: skip
+
+
+def chain_main(names, sweep, ceiling: float, args) -> None:
+    table, lines = {}, []
+    for name in names:
+        row, (key, best) = time_chain(name, *SHAPES[name], sweep, ceiling)
+        lines.append(row)
+        table[key] = best
+        print(json.dumps(row), flush=True)
+        if args.write_configs:
+            with open(args.write_configs, "w") as f:
+                json.dump([[list(k), list(cfg)] for k, cfg in table.items()], f)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in lines)
+    print(
+        "shape: us per GEMV in a graph chain | table tile converted | best converted | bits | raw"
+    )
+    for r in lines:
+        print(f"{r['shape']:>11}: {r['table_us']:6.2f} {tuple(r['table'])} | "
+              f"{r['converted_us']:6.2f} {tuple(r['converted'])} | {r['bits_us']:6.2f} "
+              f"{tuple(r['bits'])} | {r['raw_us']:6.2f} {tuple(r['raw'])} | best {r['best']} at "
+              f"{r['best_bw_frac']:.2f} of copy")  # fmt: skip
 
 
 if __name__ == "__main__":

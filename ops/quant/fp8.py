@@ -38,6 +38,10 @@ SCALED_MM_ALIGN = 16  # _scaled_mm needs K and N divisible by 16
 # ops/quant/gemv_triton.py, fp8 weights upcast in registers, activations unquantized, no
 # quantize launch; ops/quant/gemv_tiles.py says, per shape and row count, which one measured faster
 WEIGHT_ONLY_MAX_ROWS = 8
+# the one-row GEMV reads e4m3 as fp32 bits without a conversion instruction: the sign-extended
+# byte shifted left 20, masked to this, is the e4m3 value * 2^-E4M3_F32_UNBIAS (subnormals too)
+E4M3_F32_MASK = 0x87F00000  # bit 31 (the sign) and bits 20-26 (exponent, mantissa)
+E4M3_F32_UNBIAS = 120  # fp32 exponent bias 127 minus e4m3's 7
 
 
 class Fp8Weight(QuantizedLinearWeight):
@@ -60,19 +64,22 @@ class Fp8Weight(QuantizedLinearWeight):
         self.uses_block_gemv = block is not None and device_fp8_support(self.device) is None
         if self.uses_scaled_mm:
             self.scale_row = self.scale.view(1, -1)  # [1, N] for row-wise scaling
+        # the GEMV's bit placement reads an e4m3 NaN byte as 480: such weights take its
+        # conversion path (one check, one host sync, at load)
+        self.gemv_bits = self.device.type == "cuda" and count_nan(weight) == 0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         is_half = x.dtype in (torch.bfloat16, torch.float16)
         if self.uses_block_gemv and is_half and x.shape[0] <= min(WEIGHT_ONLY_MAX_ROWS, MAX_ROWS):
             from ops.quant.gemv_triton import gemv
 
-            return gemv(x, self.weight, self.scale, block=self.block)
+            return gemv(x, self.weight, self.scale, block=self.block, bits=self._bits())
         if not self.uses_scaled_mm:
             return F.linear(x, self.dequantize())
         if is_half and fp8_takes_gemv(x.shape[0], *self.shape, WEIGHT_ONLY_MAX_ROWS):
             from ops.quant.gemv_triton import gemv
 
-            return gemv(x, self.weight, self.scale)
+            return gemv(x, self.weight, self.scale, bits=self._bits())
         from ops.quant.fp8_triton import quantize_rows
 
         xq, x_scale = quantize_rows(x)  # [M, K] e4m3, [M, 1] fp32
@@ -81,6 +88,9 @@ class Fp8Weight(QuantizedLinearWeight):
             xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale_row, out_dtype=torch.bfloat16
         )
         return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+    def _bits(self) -> bool | None:
+        return None if self.gemv_bits else False  # None: the GEMV picks (gemv_tiles.fp8_takes_bits)
 
     def dequantize(self) -> torch.Tensor:
         """The reference weight [N, K]: fp8 * scale in fp32, rounded once to the activation dtype."""
@@ -99,6 +109,13 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block=None) -> torch.T
     bn, bk = block
     full = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
     return w * full[:n, :k]
+
+
+def e4m3_bits_reference(weight: torch.Tensor) -> torch.Tensor:
+    """e4m3 [...] -> fp32 e4m3 value * 2^-E4M3_F32_UNBIAS, the one-row GEMV's bit placement in
+    torch (its tests' oracle): exact for every code but NaN (0x7F / 0xFF read as 480)."""
+    b = weight.view(torch.int8).to(torch.int32)  # sign-extended: the sign's copies in bits 27-31
+    return ((b << 20) & (E4M3_F32_MASK - 2**32)).view(torch.float32)
 
 
 def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:

@@ -9,6 +9,8 @@ shapes where `_scaled_mm` (activations quantized to e4m3, tensor cores) beat the
 At one row the GEMV won every shape (1.03-1.5x faster than bf16 F.linear, 1.06-8.9x faster than
 `_scaled_mm`); from 2 rows its per-slice reduction makes the wide shapes compute-bound (2 rows
 cost ~1.9x one on the heads), and at 4-8 rows `_scaled_mm` wins most of them.
+One row was measured again on 2026-12-04 as decode runs it (--chain: a CUDA graph of one shape's
+GEMVs over distinct weights), which favours smaller programs than the L2-cleared do_bench did.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ import os
 
 MAX_ROWS = 8  # BLOCK_M: the kernel keeps every row's accumulator in registers
 UNMEASURED_MAX_ROWS = 1  # fp8 shapes not in the table take the GEMV up to this many rows
-# (BLOCK_M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT_K), H200, 2026-12-02
+# (BLOCK_M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT_K), H200; one row: 2026-12-04, the
+# fastest tile converting as loaded in a CUDA-graph chain of the shape's GEMVs (bench_fp8_linear
+# --chain, 19:35: one-warp programs of 4-8 channels won the wide matrices; Llama-8B decode 330.8
+# -> 340.9 tok/s over the 19:29 chain table, 307.9 before it; 1B 1,206.6 -> 1,279.5, 1,144.8);
+# 2-8 rows: 2026-12-02, do_bench with the L2 cleared
 CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    (1, 3072, 2048): (4, 1024, 8, 1), (1, 2048, 2048): (4, 1024, 8, 1),
-    (1, 16384, 2048): (8, 256, 4, 1), (1, 2048, 8192): (8, 1024, 8, 1),
-    (1, 128256, 2048): (8, 256, 4, 1), (1, 6144, 4096): (8, 256, 4, 1),
-    (1, 4096, 4096): (8, 512, 8, 1), (1, 28672, 4096): (4, 512, 4, 1),
-    (1, 4096, 14336): (4, 1024, 8, 1), (1, 128256, 4096): (8, 256, 4, 1),
+    (1, 3072, 2048): (2, 512, 2, 1), (1, 2048, 2048): (2, 1024, 4, 1),
+    (1, 16384, 2048): (8, 256, 1, 1), (1, 2048, 8192): (2, 1024, 4, 1),
+    (1, 128256, 2048): (4, 256, 1, 1), (1, 6144, 4096): (8, 512, 4, 1),
+    (1, 4096, 4096): (2, 512, 2, 1), (1, 28672, 4096): (4, 256, 1, 1),
+    (1, 4096, 14336): (4, 512, 4, 1), (1, 128256, 4096): (4, 256, 1, 1),
     (2, 3072, 2048): (4, 512, 4, 1), (2, 2048, 2048): (16, 256, 4, 4),
     (2, 16384, 2048): (16, 512, 4, 1), (2, 2048, 8192): (8, 512, 4, 4),
     (2, 128256, 2048): (16, 512, 4, 1), (2, 6144, 4096): (8, 512, 4, 1),
@@ -68,10 +74,46 @@ def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return (8 if n <= 8192 else 16), min(512, 1 << max(k - 1, 1).bit_length()), 4, 1
 
 
-def set_configs(table: dict[tuple[int, int, int], tuple[int, int, int, int]]) -> None:
-    """Replace the tile table (a benchmark's sweep result); shapes not in it take the rule."""
+# How one row of an fp8 GEMV reads its e4m3 slices where another way than converting each as
+# loaded (gemv_triton.WIDEN_1BYTE) measured faster: (1, N, K) -> READ_BITS (bit placement,
+# E4M3_BITS) or READ_RAW (raw bytes carried, converted at use); tools/bench_fp8_linear.py --chain
+# (a CUDA graph of one shape's GEMVs over distinct weights) writes it as a tile's 5th value.
+# H200, 2026-12-04: converting as loaded won every shape in the chain (bits 2-30% slower).
+READ_CONVERT, READ_BITS, READ_RAW = 0, 1, 2
+FP8_READS: dict[tuple[int, int, int], int] = {}
+ENV_FP8_BITS = "TORCH_RUNNER_GEMV_FP8_BITS"  # auto (default): FP8_READS | on | off
+FP8_BITS_MODES = ("auto", "on", "off")
+
+
+def set_configs(table: dict[tuple[int, int, int], tuple[int, ...]]) -> None:
+    """Replace the tile table (a benchmark's sweep result); shapes not in it take the rule. A
+    5th value in a tile (bench_fp8_linear.py --chain) is how one row reads e4m3 (FP8_READS)."""
     CONFIGS.clear()
-    CONFIGS.update(table)
+    CONFIGS.update({key: tuple(cfg[:4]) for key, cfg in table.items()})
+    FP8_READS.clear()
+    FP8_READS.update({key: cfg[4] for key, cfg in table.items() if len(cfg) > 4 and cfg[4]})
+
+
+def fp8_bits_mode() -> str:
+    """ENV_FP8_BITS, read once by ops/quant/gemv_triton.py."""
+    value = os.environ.get(ENV_FP8_BITS, "auto").strip().lower()
+    if value not in FP8_BITS_MODES:
+        raise ValueError(
+            f"{ENV_FP8_BITS}={value!r}: allowed values are {', '.join(FP8_BITS_MODES)}"
+        )
+    return value
+
+
+def fp8_takes_bits(m: int, n: int, k: int, mode: str) -> bool:
+    """Whether one row of an fp8 GEMV reads the weight by bit placement under `mode`."""
+    if mode == "off" or m != 1:
+        return False
+    return mode == "on" or FP8_READS.get((1, n, k)) == READ_BITS
+
+
+def fp8_reads_raw(m: int, n: int, k: int) -> bool:
+    """Whether one row of an fp8 GEMV carries the raw bytes (else the WIDEN_1BYTE default)."""
+    return m == 1 and FP8_READS.get((1, n, k)) == READ_RAW
 
 
 def fp8_takes_gemv(m: int, n: int, k: int, max_rows: int) -> bool:

@@ -37,7 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.quant.gemv_tiles import block_rows, pick_bf16_config, pick_config
+from ops.quant.fp8 import E4M3_F32_MASK, E4M3_F32_UNBIAS
+from ops.quant.gemv_tiles import (
+    block_rows,
+    fp8_bits_mode,
+    fp8_reads_raw,
+    fp8_takes_bits,
+    pick_bf16_config,
+    pick_config,
+)
 
 WORKSPACE_FLOATS = 2**22  # fp32 partials [SPLIT_K, BLOCK_M, N] of one split call (16 MiB)
 MAX_COUNTERS = 2**16  # column blocks of one split call
@@ -52,14 +60,44 @@ _widen_raw = os.environ.get(ENV_WIDEN, "1").strip()
 if _widen_raw not in ("0", "1"):
     raise ValueError(f"{ENV_WIDEN}={_widen_raw!r}: allowed values are 0 and 1")
 WIDEN_1BYTE = _widen_raw == "1"
+FP8_BITS_MODE = fp8_bits_mode()  # where e4m3 is read by bit placement (gemv_tiles); read once
+
+
+# e4m3 weights by bit placement (E4M3_BITS, one row): the sign-extended byte shifted left 20 and
+# masked to 0x87F00000 is an fp32 whose value is the e4m3 value * 2^-120, subnormals included
+# (e4m3 subnormals land on fp32 subnormals; Triton's fp32 FMA keeps them: no .ftz in its PTX):
+# three integer ops a weight instead of two conversions (e4m3x2 -> f16x2, f16 -> f32). x is
+# multiplied by 2^60 as loaded and the sum by 2^60 after the loop, both exact powers of two, so
+# the products are WIDEN's, unless |w * x| < 2^-66 (then subnormal: an absolute error under 2^-89
+# a product, before the scale) or |x| > 2^68 (x * 2^60 overflows): a program whose scaled sums
+# are not all finite runs its slices again through WIDEN, so huge, infinite and NaN activations
+# give what WIDEN gives. e4m3 NaN bytes (0x7F / 0xFF) would read as 480: weights holding them
+# must not take this path (Fp8Weight checks once, at load). Measured slower than WIDEN on every
+# Llama shape on the H200 (2-30% in a CUDA-graph chain, 2026-12-04: the loop is bound by issue,
+# not by the conversion unit), so only the table's FP8_READS or TORCH_RUNNER_GEMV_FP8_BITS=on
+# select it.
+E4M3_MASK = tl.constexpr(E4M3_F32_MASK - 2**32)  # as int32: bit 31 and bits 20-26
+E4M3_UNBIAS = tl.constexpr(2.0 ** (E4M3_F32_UNBIAS // 2))  # x * 2^60, sum * 2^60: the 2^-120
+INF = tl.constexpr(float("inf"))
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # it has no bf16 scalars
+
+
+@triton.jit
+def _e4m3_bits_f32(w):
+    """e4m3 bytes (any 1-byte type) -> fp32 e4m3 value * 2^-120, integer ops only (the torch
+    twin: ops.quant.fp8.e4m3_bits_reference)."""
+    b = w.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended: the sign's copies in 27-31
+    return ((b << 20) & E4M3_MASK).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _load_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr,
-                WIDEN: tl.constexpr):  # fmt: skip
+                WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr):  # fmt: skip
     """One [BLOCK_N, BLOCK_K] weight slice and its [BLOCK_M, BLOCK_K] rows of x, raw (1-byte
     weights stay packed in registers until used) or, WIDEN, 1-byte weights converted to fp16
-    as loaded (exact for e4m3 and int8); ok False loads nothing (past the split)."""
+    as loaded (exact for e4m3 and int8), or E4M3_BITS, e4m3 as fp32 * 2^-120 as loaded (7.3-7.7
+    sm_90 instructions a weight in the loop, 7.8-8.1 converted at use); ok False loads nothing
+    (past the split)."""
     if EVEN_K:  # rows past N load nothing and are never stored
         w = tl.load(w_ptrs, mask=n_ok[:, None] & ok)
         x = tl.load(x_ptrs, mask=m_ok[:, None] & ok, other=0.0)
@@ -69,7 +107,62 @@ def _load_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr,
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
     if WIDEN:
         w = w.to(tl.float16)
+    if E4M3_BITS:
+        w = _e4m3_bits_f32(w)
     return w, x
+
+
+@triton.jit
+def _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm, stride_wn,
+                stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BN: tl.constexpr,
+                SCALE_BK: tl.constexpr, WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr):  # fmt: skip
+    """This program's fp32 sums [BLOCK_M, BLOCK_N] over its split of K (block scales applied
+    per slice); E4M3_BITS: the weights read by bit placement, the sums still carry 2^-60."""
+    pid_k = tl.program_id(1)
+    rk = pid_k * k_split + tl.arange(0, BLOCK_K)  # k_split: a multiple of BLOCK_K (host)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    if E4M3_BITS:  # x read again for every weight row, [BLOCK_N, BLOCK_K], in the weights'
+        # layout (one row, E4M3_BITS only): from [1, BLOCK_K] Triton moved the converted
+        # weights through shared memory to x's layout every slice (seen in the sm_90 SASS)
+        x_ptrs = x_ptr + (rn * 0)[:, None] + rk[None, :]
+    else:
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    if BLOCK_M == 1:
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # register double buffering: the next slice's loads are issued before this slice's math, so
+    # each program keeps two tiles in flight (Triton's pipeliner leaves loads that feed no dot
+    # alone: num_stages changes nothing here, seen in the SASS)
+    w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk, n_ok, m_ok, K, k_split > 0, EVEN_K, WIDEN,
+                                 E4M3_BITS)  # fmt: skip
+    for k0 in range(0, k_split, BLOCK_K):
+        w, x = w_next, x_next
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk + k0 + BLOCK_K, n_ok, m_ok, K,
+                                     k0 + BLOCK_K < k_split, EVEN_K, WIDEN, E4M3_BITS)  # fmt: skip
+        wf = w.to(tl.float32)
+        if E4M3_BITS and x.dtype == tl.bfloat16 and not INTERPRETED:  # packed bf16 multiply
+            xf = (x * E4M3_UNBIAS).to(tl.float32)  # a bf16 product (weak scalar)
+        elif E4M3_BITS:  # fp16 x * 2^60 would overflow: in fp32 (the same exact values)
+            xf = x.to(tl.float32) * E4M3_UNBIAS
+        else:
+            xf = x.to(tl.float32)
+        if HAS_SCALE and SCALE_BK > 0:  # a slice inside one block column: a scale per row
+            kb = (pid_k * k_split + k0) // SCALE_BK
+            s_blk = tl.load(s_ptr + (rn // SCALE_BN) * stride_sn + kb, mask=n_ok, other=0.0)
+            wf = wf * s_blk[:, None]
+        if not EVEN_K:  # columns past K: zero weights (an unloaded lane may read as a NaN)
+            wf = tl.where((rk + k0 < K)[None, :], wf, 0.0)
+        if BLOCK_M == 1:
+            acc1 += wf * xf  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]: reduced once, after the loop
+        else:
+            acc += tl.sum(xf[:, None, :] * wf[None, :, :], axis=2)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]  # [1, BLOCK_N]
+    return acc
 
 
 @triton.jit
@@ -77,7 +170,7 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
           stride_wn, stride_om, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
           HAS_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-          HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr):  # fmt: skip
+          HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr = False):  # fmt: skip
     # HAS_SCALE False: a plain (bf16 / fp16) weight, no scale (s_ptr unused). SCALE_BK == 0: one
     # scale per channel, s[N]; else one per (SCALE_BN, SCALE_BK) block, s[ceil(N / SCALE_BN),
     # ceil(K / SCALE_BK)] (row stride stride_sn), BLOCK_K dividing SCALE_BK. HAS_BIAS: + b[N]
@@ -86,41 +179,20 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    rk = pid_k * k_split + tl.arange(0, BLOCK_K)  # k_split: a multiple of BLOCK_K (host)
     n_ok = rn < N  # uniform along a row: the 16-byte loads stay vectorised
     m_ok = rm < M
-    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
-    if BLOCK_M == 1:
-        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # register double buffering: the next slice's loads are issued before this slice's math, so
-    # each program keeps two tiles in flight (Triton's pipeliner leaves loads that feed no dot
-    # alone: num_stages changes nothing here, seen in the SASS)
-    w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk, n_ok, m_ok, K, k_split > 0, EVEN_K, WIDEN)
-    for k0 in range(0, k_split, BLOCK_K):
-        w, x = w_next, x_next
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk + k0 + BLOCK_K, n_ok, m_ok, K,
-                                     k0 + BLOCK_K < k_split, EVEN_K, WIDEN)  # fmt: skip
-        wf = w.to(tl.float32)
-        if HAS_SCALE and SCALE_BK > 0:  # a slice inside one block column: a scale per row
-            kb = (pid_k * k_split + k0) // SCALE_BK
-            s_blk = tl.load(s_ptr + (rn // SCALE_BN) * stride_sn + kb, mask=n_ok, other=0.0)
-            wf = wf * s_blk[:, None]
-        if not EVEN_K:  # columns past K: zero weights (an unloaded lane may read as a NaN)
-            wf = tl.where((rk + k0 < K)[None, :], wf, 0.0)
-        xf = x.to(tl.float32)
-        if BLOCK_M == 1:
-            acc1 += wf * xf  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]: reduced once, after the loop
-        else:
-            acc += tl.sum(xf[:, None, :] * wf[None, :, :], axis=2)
-    if BLOCK_M == 1:
-        acc = tl.sum(acc1, axis=1)[None, :]  # [1, BLOCK_N]
-    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     out_ok = m_ok[:, None] & n_ok[None, :]
+    acc = _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm, stride_wn,
+                      stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_SCALE, SCALE_BN, SCALE_BK,
+                      WIDEN and not E4M3_BITS, E4M3_BITS)  # fmt: skip
+    if E4M3_BITS:
+        acc = acc * E4M3_UNBIAS
+        bad = tl.where(out_ok & ~(tl.abs(acc) < INF), 1, 0)  # inf or NaN: x * 2^60 overflowed?
+        if tl.max(tl.max(bad, axis=1), axis=0) > 0:  # the same slices through WIDEN (rare)
+            acc = _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm,
+                              stride_wn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_SCALE,
+                              SCALE_BN, SCALE_BK, True, False)  # fmt: skip
+    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     if HAS_SCALE and SCALE_BK == 0:
         scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     else:
@@ -171,6 +243,7 @@ def gemv(
     block=None,
     bias: torch.Tensor | None = None,
     widen: bool | None = None,
+    bits: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, M <= MAX_ROWS) @ weight [N, K].T (row-major) times
     scale [N] (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation. weight: e4m3 or int8 with
@@ -178,7 +251,11 @@ def gemv(
     block (bn, bk): scale holds one fp32 value per (bn, bk) block of the weight, [ceil(N / bn),
     ceil(K / bk)] (fp8 checkpoints' `weight_block_size`). config: (BLOCK_N, BLOCK_K, num_warps,
     SPLIT_K) to override the table (the fp8 / int8 one, or the bf16 one when scale is None).
-    widen: carry 1-byte weight slices as fp16 (default WIDEN_1BYTE; ignored for 2-byte ones)."""
+    widen: carry 1-byte weight slices as fp16 (default WIDEN_1BYTE, unless one row of an fp8
+    shape measured faster carrying raw bytes: gemv_tiles.FP8_READS; ignored for 2-byte ones).
+    bits: read e4m3 weights by bit placement at one row (default: gemv_tiles.fp8_takes_bits under
+    FP8_BITS_MODE); False for weights holding e4m3 NaN bytes, which it would read as 480;
+    ignored for other weights and for 2+ rows."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
@@ -204,7 +281,11 @@ def gemv(
                                BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
                                EVEN_K=k_split % block_k == 0, HAS_SCALE=scale is not None,
                                SCALE_BN=scale_bn, SCALE_BK=scale_bk, HAS_BIAS=bias is not None,
-                               WIDEN=weight.element_size() == 1
-                               and (WIDEN_1BYTE if widen is None else widen),
+                               WIDEN=weight.element_size() == 1 and (widen if widen is not None
+                               else WIDEN_1BYTE and not (weight.dtype == torch.float8_e4m3fn
+                                                         and fp8_reads_raw(m, n, k))),
+                               E4M3_BITS=block_m == 1 and weight.dtype == torch.float8_e4m3fn
+                               and (fp8_takes_bits(m, n, k, FP8_BITS_MODE) if bits is None
+                                    else bits),
                                num_warps=warps)  # fmt: skip
     return out
