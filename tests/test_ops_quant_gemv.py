@@ -357,3 +357,13 @@ def test_cuda_gemv_replays_in_a_cuda_graph_without_host_sync():
     graph.replay()
     want2 = x2.float() @ (w.float() * s[:, None]).T
     assert rel_err(out, want2) < 5e-3
+
+
+def test_one_row_of_int8_keeps_its_own_tiles():
+    """int8 one-row tiles stay apart from the fp8 chain-tuned ones (which made int8 slower)."""
+    from ops.quant.gemv_tiles import CONFIGS, INT8_ROW_CONFIGS, pick_config
+
+    for key, tile in INT8_ROW_CONFIGS.items():
+        assert pick_config(*key, int8=True) == tile
+        assert pick_config(*key) == CONFIGS[key]
+    assert pick_config(2, 2048, 2048, int8=True) == CONFIGS[(2, 2048, 2048)]  # 2+ rows: shared

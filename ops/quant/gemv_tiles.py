@@ -57,6 +57,18 @@ SCALED_MM_FASTER: set[tuple[int, int, int]] = {
 }  # fmt: skip
 
 
+# One row of an int8 weight keeps the 2026-12-02 tiles: the 12-04 fp8 chain tiles above made int8
+# decode slower (H200, 19:54, bench_cuda_decode --quantization int8, this table / those tiles /
+# this table: Llama-8B 215.0 / 230.9 / 214.9 tok/s, 1B 922.4 / 941.6 / 922.3)
+INT8_ROW_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
+    (1, 3072, 2048): (4, 1024, 8, 1), (1, 2048, 2048): (4, 1024, 8, 1),
+    (1, 16384, 2048): (8, 256, 4, 1), (1, 2048, 8192): (8, 1024, 8, 1),
+    (1, 128256, 2048): (8, 256, 4, 1), (1, 6144, 4096): (8, 256, 4, 1),
+    (1, 4096, 4096): (8, 512, 8, 1), (1, 28672, 4096): (4, 512, 4, 1),
+    (1, 4096, 14336): (4, 1024, 8, 1), (1, 128256, 4096): (8, 256, 4, 1),
+}  # fmt: skip
+
+
 def block_rows(m: int) -> int:
     """The BLOCK_M a batch of `m` rows compiles for (a power of two, 1..MAX_ROWS)."""
     if not 1 <= m <= MAX_ROWS:
@@ -64,11 +76,13 @@ def block_rows(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def pick_config(m: int, n: int, k: int, int8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, SPLIT_K) for an [m, k] @ [n, k].T product: the measured
-    table, else 8 (16 for wide N) channels by 512-byte slices, 4 warps, unsplit (split-K won no
-    measured shape at one row)."""
-    found = CONFIGS.get((block_rows(m), n, k))
+    table (INT8_ROW_CONFIGS first for one row of int8 weights), else 8 (16 for wide N) channels
+    by 512-byte slices, 4 warps, unsplit (split-K won no measured shape at one row)."""
+    key = (block_rows(m), n, k)
+    found = INT8_ROW_CONFIGS.get(key) if int8 else None
+    found = found or CONFIGS.get(key)
     if found is not None:
         return found
     return (8 if n <= 8192 else 16), min(512, 1 << max(k - 1, 1).bit_length()), 4, 1

@@ -261,8 +261,9 @@ def gemv(
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_m = block_rows(m)
-    picked = pick_config if scale is not None else pick_bf16_config
-    block_n, block_k, warps, split = config or picked(m, n, k)
+    if config is None and scale is not None:
+        config = pick_config(m, n, k, int8=weight.dtype == torch.int8)
+    block_n, block_k, warps, split = config or pick_bf16_config(m, n, k)
     scale_bn, scale_bk = block or (0, 0)
     if block is not None:
         block_n, block_k = block_slices(block_n, block_k, scale_bk)
