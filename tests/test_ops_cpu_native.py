@@ -185,14 +185,18 @@ def test_fused_rms_norm_and_silu_mul_vs_torch_and_fp64(lib, dtype, h):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_writes_the_pool_and_matches_fp64(lib, dtype):
+@pytest.mark.parametrize("row_lens,d", [((9, 1, 5), 64), ((700, 1, 263), 64), ((300, 17), 72)])
+def test_decode_attention_writes_the_pool_and_matches_fp64(lib, dtype, row_lens, d):
     """Rows of different lengths over scattered pool slots: the rotated k and v land in their
-    write slots, and the output is fp64 softmax attention over each row's first kv_len keys."""
+    write slots, and the output is fp64 softmax attention over each row's first kv_len keys.
+    Long rows span several 256-key chunks (merged) and 8-key score blocks with a tail; D = 72 has
+    a part past the 64 values the V sum keeps in registers."""
     from ops.rope import rope_tables, rotate
 
     torch.manual_seed(0)
-    b, hq, hkv, d, s_max, pool_size = 3, 6, 2, 64, 9, 40
-    lens = torch.tensor([9, 1, 5])
+    b, hq, hkv, s_max = len(row_lens), 6, 2, max(row_lens)
+    pool_size = b * s_max + 7
+    lens = torch.tensor(row_lens)
     slots = torch.randperm(pool_size)[: b * s_max].view(b, s_max)  # [B, S], distinct
     write = slots[torch.arange(b), lens - 1]  # the new token: each row's last key
     pool_k, pool_v = (torch.randn(pool_size, hkv, d).to(dtype) for _ in range(2))

@@ -29,7 +29,8 @@ SOURCES = [
     for n in ("linear_kernels.cpp", "pointwise_kernels.cpp", "decode_step.cpp")
 ]
 HEADERS = [
-    Path(__file__).with_name(n) for n in ("simd.h", "linear.h", "linear512.h", "pointwise.h")
+    Path(__file__).with_name(n)
+    for n in ("simd.h", "linear.h", "linear512.h", "pointwise.h", "attention.h")
 ]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: at::parallel_for's threads
 # linear512.h's kernels: AVX-512 BW / VL / DQ with VNNI (vpdpbusd) and BF16 (vdpbf16ps)

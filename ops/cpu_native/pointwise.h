@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention.h"
 #include "simd.h"
 
 namespace tr_native {
@@ -56,13 +57,6 @@ void silu_mul_rows(const T* gu, T* out, int64_t m, int64_t inner) {
   }
 }
 
-template <typename T>
-inline float dot_row(const float* q, const T* k, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t j = 0; j < d; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(k + j), acc);
-  return hsum(acc);
-}
-
 // x [D] rotated by cos / signed sin [D] (rope_tables' layout): x * cos + [x2, x1] * ssin
 template <typename T>
 inline void rope_row(const T* x, const T* cos, const T* ssin, int64_t d, float* out) {
@@ -92,33 +86,14 @@ void decode_attention_rows(const T* x, int64_t b, int64_t width, const T* c, con
       for (int64_t j = 0; j < d; ++j) kd[j] = T(tmp[j]), vd[j] = v[j];
     }
   }
-  const int64_t group = hq / hkv;
-  at::parallel_for(0, b * hq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(d), acc(d), scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / hq, h = task % hq, kvh = h / group, len = kv_lens[i];
-      rope_row(x + i * width + h * d, c + i * d, sn + i * d, d, q.data());
-      scores.resize(len);
-      float best = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = gather_slots[i * s_max + t];
-        scores[t] = dot_row(q.data(), pk + (slot * hkv + kvh) * d, d) * static_cast<float>(scale);
-        best = std::max(best, scores[t]);
-      }
-      float total = 0.0f;
-      for (int64_t t = 0; t < len; ++t) total += (scores[t] = std::exp(scores[t] - best));
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* v = pv + (gather_slots[i * s_max + t] * hkv + kvh) * d;
-        const __m256 p = _mm256_set1_ps(scores[t]);
-        for (int64_t j = 0; j < d; j += 8) {
-          _mm256_storeu_ps(acc.data() + j, _mm256_fmadd_ps(p, load8(v + j), _mm256_loadu_ps(acc.data() + j)));
-        }
-      }
-      T* dst = o + i * hq * d + h * d;
-      for (int64_t j = 0; j < d; ++j) dst[j] = T(acc[j] / total);
+  std::vector<float> q(b * hq * d);  // every q head rotated, fp32 (rounded to T as the module path)
+  for (int64_t i = 0; i < b; ++i) {
+    for (int64_t h = 0; h < hq; ++h) {
+      rope_row(x + i * width + h * d, c + i * d, sn + i * d, d, q.data() + (i * hq + h) * d);
     }
-  });
+  }
+  attn::decode_attention(q.data(), b, pk, pv, gather_slots, kv_lens, s_max, hq, hkv, d,
+                         static_cast<float>(scale), o);
 }
 
 }  // namespace tr_native
