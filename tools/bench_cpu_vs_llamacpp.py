@@ -6,7 +6,8 @@ f32 / bf16 / q8_0 files are written from our safetensors folder by llama.cpp's o
 `convert_hf_to_gguf.py` (pass the unpacked llama-cpp-python sdist with --llama-src; it needs
 its `gguf-py` folder and sentencepiece). Every round runs each engine once (32-token prompt,
 --gen-len greedy tokens, decode tok/s after the first token), the order reversed every other
-round; medians over --rounds. Prints `lscpu`'s model line and flags of interest, and for each
+round; medians over --rounds. `--prompt-len N` (N > 32: seeded random ids) measures decode after
+an N-token context instead (attention over every earlier key; the prompt's prefill is not timed). Prints `lscpu`'s model line and flags of interest, and for each
 engine the anonymous resident memory it added (RssAnon growth over its load and warm-up; in one
 shared process the allocator reuses what the previous pair freed, so this is only indicative).
 `--memory` instead runs each of our modes alone in a fresh process (load, 8 tokens) and prints
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -115,7 +117,7 @@ def gguf_file(folder: Path, outtype: str, llama_src: Path, work: Path) -> Path:
     return target
 
 
-def open_llama(path: Path, threads: int):
+def open_llama(path: Path, threads: int, n_ctx: int = 512):
     """llama.cpp with its extra (AMX repack) buffer types off: on this VM its AMX repacked q8_0 /
     q4 matmuls crash with SIGSEGV (the OS may not grant AMX tile state); f32 / bf16 never use them."""
     import llama_cpp.llama_cpp as low
@@ -131,7 +133,7 @@ def open_llama(path: Path, threads: int):
     low.llama_model_default_params = params
     try:
         return Llama(
-            str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False
+            str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False
         )
     finally:
         low.llama_model_default_params = default_params
@@ -143,7 +145,8 @@ def ours_tok_s(engine, prompt: list[int], gen_len: int) -> float:
     engine.add_request(
         None, prompt, SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     )
-    engine.step()
+    while not any(out.token_ids for out in engine.step()):  # the prompt's chunks, first token
+        pass
     t0 = time.perf_counter()
     steps = 0
     while engine.has_unfinished():
@@ -173,6 +176,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_gguf"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=32,
+                        help="32: the fixed text; more: that many seeded random ids (decode over "
+                             "a long context: attention reads every earlier key)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", default="all", help="comma list of indexes into PAIRS, or all")
     parser.add_argument("--memory", action="store_true", help="only the per-mode memory table")
@@ -194,7 +200,7 @@ def main() -> None:
         parser.error("--llama-src is required (except with --memory)")
     print(f"CPU: {lscpu_summary()}; torch {torch.__version__}, {args.threads} threads", flush=True)
     print(
-        f"SmolLM2-135M, batch 1, 32-token prompt, {args.gen_len} greedy tokens, medians of {args.rounds} rounds, order alternating"
+        f"SmolLM2-135M, batch 1, {args.prompt_len}-token prompt, {args.gen_len} greedy tokens, medians of {args.rounds} rounds, order alternating"
     )
     print("| ours | tok/s | MB | llama.cpp | tok/s | MB | ours / llama.cpp |")
     print("|---|---:|---:|---|---:|---:|---:|")
@@ -211,15 +217,19 @@ def main() -> None:
             device="cpu",
             dtype=dtype,
             quantization=quant,
-            max_total_tokens=1024,
+            max_total_tokens=max(1024, args.prompt_len + args.gen_len + 16),
             cpu_compile=args.cpu_compile,
         )
         path = "compiled" if engine.runner.compiled_decode is not None else "flat"
         prompt = engine.tokenizer("The history of the lighthouse is a history of people trying to make the sea a little "
                                   "less dangerous. For centuries, ships").input_ids[:32]  # fmt: skip
+        if args.prompt_len > 32:
+            rng = random.Random(0)
+            prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
         ours_tok_s(engine, prompt, 8)  # warm-up
         rss1 = rss_mb()
-        llm = open_llama(gguf_file(folder, outtype, args.llama_src, args.work), args.threads)
+        llm = open_llama(gguf_file(folder, outtype, args.llama_src, args.work), args.threads,
+                         max(512, args.prompt_len + args.gen_len + 16))  # fmt: skip
         llama_tok_s(llm, prompt, 8)
         rss2 = rss_mb()
         ours, theirs = [], []

@@ -8,9 +8,12 @@
 #pragma once
 #include <ATen/Parallel.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -96,6 +99,83 @@ inline void chunk_values(const float* p, const T* pv, const int64_t* slots, int6
   }
 }
 
+#ifdef TR_AVX512
+// AVX-512 twins (build.py's TR_AVX512): bf16 keys dotted by vdpbf16ps with q in bf16 (exact: q
+// holds model-dtype values), fp32 keys by 512-bit FMAs; values summed 16 floats a vector.
+// They return false for head sizes they do not take (the AVX2 code above runs instead).
+inline __m256 fold(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+inline bool chunk_scores512(const float* q, const T* pk, const int64_t* slots, int64_t n,
+                            int64_t hkv, int64_t kvh, int64_t d, float scale, float* scores) {
+  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
+  if (d % 32 || d > 256) return false;
+  alignas(64) c10::BFloat16 qb[256];
+  if constexpr (kBf16) {
+    for (int64_t j = 0; j < d; ++j) qb[j] = c10::BFloat16(q[j]);
+  }
+  const __m256 vs = _mm256_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const T* k[8];
+    for (int u = 0; u < 8; ++u) k[u] = pk + (slots[t + u] * hkv + kvh) * d;
+    __m512 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm512_setzero_ps();
+    if constexpr (kBf16) {
+      for (int64_t j = 0; j < d; j += 32) {
+        const __m512bh qj = (__m512bh)_mm512_loadu_si512(qb + j);
+        for (int u = 0; u < 8; ++u) {
+          acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(k[u] + j), qj);
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < d; j += 16) {
+        const __m512 qj = _mm512_loadu_ps(q + j);
+        for (int u = 0; u < 8; ++u) acc[u] = _mm512_fmadd_ps(qj, load16(k[u] + j), acc[u]);
+      }
+    }
+    __m256 half[8];
+    for (int u = 0; u < 8; ++u) half[u] = fold(acc[u]);
+    _mm256_storeu_ps(scores + t, _mm256_mul_ps(hsum8x8(half), vs));
+  }
+  for (; t < n; ++t) scores[t] = dot_row(q, pk + (slots[t] * hkv + kvh) * d, d) * scale;
+  return true;
+}
+
+template <typename T>
+inline bool chunk_values512(const float* p, const T* pv, const int64_t* slots, int64_t n,
+                            int64_t hkv, int64_t kvh, int64_t d, float* acc) {
+  if (d % 16) return false;
+  int64_t j0 = 0;
+  for (; j0 + 64 <= d; j0 += 64) {
+    __m512 a[4];
+    for (int u = 0; u < 4; ++u) a[u] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = pv + (slots[t] * hkv + kvh) * d + j0;
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      for (int u = 0; u < 4; ++u) a[u] = _mm512_fmadd_ps(pt, load16(v + 16 * u), a[u]);
+    }
+    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + j0 + 16 * u, a[u]);
+  }
+  for (; j0 < d; j0 += 16) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(pv + (slots[t] * hkv + kvh) * d + j0), a);
+    }
+    _mm512_storeu_ps(acc + j0, a);
+  }
+  return true;
+}
+#endif  // TR_AVX512
+
 // q [B, Hq, D] rotated fp32; pools [P, Hkv, D]; gather_slots [B, s_max]; out [B, Hq D] in T
 template <typename T>
 void decode_attention(const float* q, int64_t b, const T* pk, const T* pv,
@@ -118,10 +198,17 @@ void decode_attention(const float* q, int64_t b, const T* pk, const T* pv,
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kvh * group + g;
         float* dst = part.data() + task * stride + g * (d + 2);
-        chunk_scores(q + (i * hq + h) * d, pk, slots, n, hkv, kvh, d, scale, scores.data());
+        const float* qh = q + (i * hq + h) * d;
+#ifdef TR_AVX512
+        if (!chunk_scores512(qh, pk, slots, n, hkv, kvh, d, scale, scores.data()))
+#endif
+          chunk_scores(qh, pk, slots, n, hkv, kvh, d, scale, scores.data());
         const auto [best, total] = chunk_softmax(scores.data(), n);
         dst[0] = best, dst[1] = total;
-        chunk_values(scores.data(), pv, slots, n, hkv, kvh, d, dst + 2);
+#ifdef TR_AVX512
+        if (!chunk_values512(scores.data(), pv, slots, n, hkv, kvh, d, dst + 2))
+#endif
+          chunk_values(scores.data(), pv, slots, n, hkv, kvh, d, dst + 2);
       }
     }
   });
