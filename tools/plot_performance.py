@@ -16,15 +16,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
 
-# 2026-12-04 19:29 UTC, 2-core Intel Xeon (AVX-512 BF16 / VNNI), SmolLM2-135M batch-1 decode
+# 2026-12-04 20:55 UTC, 2-core Intel Xeon (AVX-512 BF16 / VNNI), SmolLM2-135M batch-1 decode
 # tok/s, medians of interleaved rounds (docs/performance.md, CPU table; bf16 models for int8/int4;
 # tools/bench_cpu_vs_llamacpp.py, llama-cpp-python 0.3.36 built here, 2 threads).
 CPU = {
-    "fp32": {"torch_runner": 42.5, "llama.cpp": 36.9},
-    "bf16": {"torch_runner": 62.8, "llama.cpp": 53.4},
-    "int8 / q8_0": {"torch_runner": 113.0, "llama.cpp": 71.2},
-    "int4 / Q4_1": {"torch_runner": 169.1, "llama.cpp": 93.1},
-    "default GGUF / Q4_1": {"torch_runner": 166.5, "llama.cpp": 99.0},
+    "fp32": {"torch_runner": 43.9, "llama.cpp": 36.2},
+    "bf16": {"torch_runner": 69.4, "llama.cpp": 50.6},
+    "int8 / q8_0": {"torch_runner": 102.9, "llama.cpp": 67.6},
+    "int4 / Q4_1": {"torch_runner": 154.6, "llama.cpp": 90.8},
+    "default GGUF / Q4_1": {"torch_runner": 138.8, "llama.cpp": 88.2},
 }
 
 # One NVIDIA H200, bf16 random weights, prompt 128 + 128 generated, decode tok/s
