@@ -176,6 +176,25 @@ inline bool chunk_values512(const float* p, const T* pv, const int64_t* slots, i
 }
 #endif  // TR_AVX512
 
+// The AVX-512 kernel where it is built and takes this head size, else the AVX2 one
+template <typename T>
+inline void any_scores(const float* q, const T* pk, const int64_t* slots, int64_t n, int64_t hkv,
+                       int64_t kvh, int64_t d, float scale, float* scores) {
+#ifdef TR_AVX512
+  if (chunk_scores512(q, pk, slots, n, hkv, kvh, d, scale, scores)) return;
+#endif
+  chunk_scores(q, pk, slots, n, hkv, kvh, d, scale, scores);
+}
+
+template <typename T>
+inline void any_values(const float* p, const T* pv, const int64_t* slots, int64_t n, int64_t hkv,
+                       int64_t kvh, int64_t d, float* acc) {
+#ifdef TR_AVX512
+  if (chunk_values512(p, pv, slots, n, hkv, kvh, d, acc)) return;
+#endif
+  chunk_values(p, pv, slots, n, hkv, kvh, d, acc);
+}
+
 // q [B, Hq, D] rotated fp32; pools [P, Hkv, D]; gather_slots [B, s_max]; out [B, Hq D] in T
 template <typename T>
 void decode_attention(const float* q, int64_t b, const T* pk, const T* pv,
@@ -198,17 +217,10 @@ void decode_attention(const float* q, int64_t b, const T* pk, const T* pv,
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kvh * group + g;
         float* dst = part.data() + task * stride + g * (d + 2);
-        const float* qh = q + (i * hq + h) * d;
-#ifdef TR_AVX512
-        if (!chunk_scores512(qh, pk, slots, n, hkv, kvh, d, scale, scores.data()))
-#endif
-          chunk_scores(qh, pk, slots, n, hkv, kvh, d, scale, scores.data());
+        any_scores(q + (i * hq + h) * d, pk, slots, n, hkv, kvh, d, scale, scores.data());
         const auto [best, total] = chunk_softmax(scores.data(), n);
         dst[0] = best, dst[1] = total;
-#ifdef TR_AVX512
-        if (!chunk_values512(scores.data(), pv, slots, n, hkv, kvh, d, dst + 2))
-#endif
-          chunk_values(scores.data(), pv, slots, n, hkv, kvh, d, dst + 2);
+        any_values(scores.data(), pv, slots, n, hkv, kvh, d, dst + 2);
       }
     }
   });

@@ -4,9 +4,10 @@ Why built on first use: `torch.utils.cpp_extension.load` compiles the C++ files 
 into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) the first time (seconds), later
 processes load the cached library. The kernels need AVX2 + FMA (x86-64); torch's own CPU
 capability probe says whether this CPU has them. Where /proc/cpuinfo also lists AVX-512 BW / VL /
-DQ / VNNI / BF16 the linears take linear512.h's kernels (vpdpbusd, vdpbf16ps), built as a library
-of their own name (TORCH_RUNNER_CPU_ISA=avx2 keeps the AVX2 ones). TORCH_RUNNER_CPU_KERNELS=torch keeps every
-CPU linear on torch's kernels (oneDNN / MKL / `_weight_int*pack_mm`), the behaviour before.
+DQ / VNNI / BF16, linear512.h's and attention.h's AVX-512 parts are built in (vpdpbusd,
+vdpbf16ps), as a library of its own name (TORCH_RUNNER_CPU_ISA=avx2 keeps the AVX2 build).
+TORCH_RUNNER_CPU_KERNELS=torch keeps every CPU linear on torch's kernels (oneDNN / MKL /
+`_weight_int*pack_mm`), the behaviour before.
 """
 
 from __future__ import annotations
@@ -82,11 +83,11 @@ def isa() -> str:
     want = os.environ.get(ISA_ENV, "auto")
     if want not in ISAS:
         raise ValueError(f"{ISA_ENV}={want!r} is invalid; allowed values: {', '.join(ISAS)}")
-    has = all(f in cpu_flags() for f in AVX512_CPU_FLAGS)
-    if want == "avx512" and not has:
-        missing = [f for f in AVX512_CPU_FLAGS if f not in cpu_flags()]
+    flags = cpu_flags()
+    missing = [f for f in AVX512_CPU_FLAGS if f not in flags]
+    if want == "avx512" and missing:
         raise ValueError(f"{ISA_ENV}=avx512 but this CPU lacks {', '.join(missing)}")
-    return "avx512" if has and want != "avx2" else "avx2"
+    return "avx512" if not missing and want != "avx2" else "avx2"
 
 
 def wants_native(device) -> bool:

@@ -1,4 +1,5 @@
-// Batch-1 (small M) linear kernels on raw pointers, out = x @ W.T (+ bias) (+ residual), AVX2 + FMA;
+// Batch-1 (small M) linear kernels on raw pointers, out = x @ W.T (+ bias) (+ residual), AVX2 + FMA
+// (linear512.h: the AVX-512 twins, chosen below where built);
 // linear_kernels.cpp wraps them as torch ops, decode_step.cpp calls them inside one decode step.
 //
 // dense: fp32 or bf16 weights [N, K], fp32 accumulation (bf16 widened in registers, bf16_dot).
