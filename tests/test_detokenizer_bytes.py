@@ -87,6 +87,18 @@ def test_byte_path_deltas_equal_the_windowed_decode(tok, skip):
             assert fast.text == tok.backend_tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+def test_valid_utf8_after_any_bytes_decodes_as_the_two_texts_joined():
+    """The byte path's no-decode step (a token valid alone, after any prefix window)."""
+    import itertools
+
+    tokens = [t.encode() for t in ("a", " x", "é", "東", "🚀", "€a", "\ufffd")]
+    for n in (1, 2):
+        for prefix in map(bytes, itertools.product(range(256), repeat=n)):
+            text = prefix.decode("utf-8", "replace")
+            for token in tokens:
+                assert (prefix + token).decode("utf-8", "replace") == text + token.decode()
+
+
 def test_real_text_streams_whole_characters(tok):
     ids = tok(TEXT).input_ids
     table = byte_table(tok, True)

@@ -13,7 +13,7 @@ import pytest
 
 from torch_runner.kv.block_manager import BlockManager
 from torch_runner.kv.radix_cache import RadixCache
-from torch_runner.scheduler import Scheduler
+from torch_runner.scheduler import ScheduledChunk, Scheduler
 from torch_runner.sequence import Sequence, SequenceStatus
 
 BS = 4
@@ -39,6 +39,9 @@ class FakeRunner:
     def run(self, out) -> dict:
         sampled = {}
         for chunk in out.chunks:
+            # the decode fast path's chunks are what the constructor makes (is_sampled too)
+            assert chunk == ScheduledChunk(chunk.seq, chunk.start, chunk.num_tokens,
+                                           chunk.restore_from)  # fmt: skip
             seq, toks = chunk.seq, chunk.seq.all_token_ids
             for p in range(chunk.start):
                 slot = seq.block_table[p // BS] * BS + p % BS

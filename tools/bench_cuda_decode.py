@@ -51,6 +51,11 @@ import torch
 from ops.sampling.params import SamplingParams
 from torch_runner import Engine
 
+try:
+    from step_trace import StepTrace  # run as tools/bench_cuda_decode.py
+except ImportError:  # imported as tools.bench_cuda_decode
+    from tools.step_trace import StepTrace
+
 GEOMETRIES = {
     "llama-1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
                      hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -106,7 +111,7 @@ SAMPLING = {  # --sampling: what every request of a decode run asks for
 }
 
 
-def decode_run(engine: Engine, prompts, gen_len: int, sampling: str = "greedy"):
+def decode_run(engine: Engine, prompts, gen_len: int, sampling: str = "greedy", trace=None):
     """Decode tok/s of one batch: (tokens after each request's first / time after the first;
     steady: tokens produced while every request was decoding / that time, i.e. from the step
     where the last request got its first token to the first finish, the full batch only)."""
@@ -117,7 +122,11 @@ def decode_run(engine: Engine, prompts, gen_len: int, sampling: str = "greedy"):
         rids.add(engine.add_request(None, prompt, params))
     started, t_first, t_full, steady = set(), None, None, 0
     while engine.has_unfinished():
+        if trace is not None:
+            trace.begin()
         outputs = engine.step()
+        if trace is not None:
+            trace.end(t_full is not None and steady >= 0)
         for out in outputs:
             started.add(out.request_id)
         if t_full is not None and steady >= 0:  # the full batch's window is still open
@@ -318,6 +327,9 @@ def main() -> None:
     parser.add_argument("--new-lengths", default="", help="e.g. 301,517,999 ('' skips)")
     parser.add_argument("--label", default="", help="tag printed in every JSON row")
     parser.add_argument("--profile-batch", default="", help="profile decode at these B, e.g. 1,64")
+    parser.add_argument("--step-trace", action="store_true",
+                        help="per timed run: host / device time per step of the steady window "
+                        "(tools/step_trace.py)")  # fmt: skip
     parser.add_argument("--host-profile", action="store_true",
                         help="with --profile-batch: also cProfile the host per step")  # fmt: skip
     parser.add_argument("--profile-new-length", type=int, default=0,
@@ -347,6 +359,7 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     weights_gib = torch.cuda.memory_allocated() / 2**30  # weights (+ the KV pool)
     graphs = getattr(engine.runner, "decode_graphs", None) is not None
+    trace = StepTrace(engine) if args.step_trace else None
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
     samplings = args.sampling.split(",")
@@ -364,9 +377,12 @@ def main() -> None:
         for _ in range(args.repeats):
             for mode in modes:
                 engine.is_overlapped = mode
-                total, full = decode_run(engine, prompts, args.gen_len, sampling)
+                total, full = decode_run(engine, prompts, args.gen_len, sampling, trace)
                 runs[mode].append(total)
                 steady[mode].append(full)
+                if trace is not None:  # per-step medians / p90 / max of this run's window
+                    print(json.dumps(dict(step_trace=batch, async_scheduling=mode,
+                                          steady_tok_s=round(full, 1), **trace.summary())), flush=True)  # fmt: skip
         # graph decode steps of the timed runs whose lm_head + sampler ran inside the graph
         heads = Counter(head_steps or {}) - before
         in_graph = sum(n for h, n in heads.items() if h is not None)

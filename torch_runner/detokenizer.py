@@ -52,6 +52,7 @@ class IncrementalDetokenizer:
         self.text = ""
         if self._table is not None:
             # the windows as bytes: ids[prefix:read] (with its text) and ids[read:]
+            self._texts = text_table(tokenizer, skip_special_tokens)
             self._prefix = b"".join(map(self._bytes_of, context))
             self._prefix_text = self._prefix.decode("utf-8", "replace")
             self._tail = b""
@@ -92,9 +93,19 @@ class IncrementalDetokenizer:
         return delta
 
     def _append_bytes(self, token_id: int) -> str:
-        """`append` on the byte windows: the same decodes, done by bytes.decode."""
+        """`append` on the byte windows: the same decodes, done by bytes.decode. A token whose
+        bytes are valid UTF-8 alone, after an empty tail, needs no decode: valid UTF-8 cannot
+        complete or extend a broken sequence before it, so `(prefix + token).decode("utf-8",
+        "replace")` is the prefix's text + the token's (tests/test_detokenizer_bytes.py checks
+        every 1-2 byte prefix)."""
         table = self._table
         token_id = int(token_id)
+        if not self._tail and 0 <= token_id < len(table):
+            piece = self._texts[token_id]
+            if piece and not piece.endswith("\ufffd"):
+                self._prefix, self._prefix_text = table[token_id], piece
+                self.text += piece
+                return piece
         tail = self._tail + (table[token_id] if 0 <= token_id < len(table) else b"")
         new_text = (self._prefix + tail).decode("utf-8", "replace")
         prefix_text = self._prefix_text
@@ -124,13 +135,30 @@ def byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
     """The bytes each token id decodes to, when the tokenizer's decode is exactly
     `bytes(ids).decode("utf-8", "replace")` over them: a fast tokenizer with no space clean-up
     whose decoder is one ByteLevel. None otherwise (the windows are decoded by the tokenizer)."""
+    return _cached(tokenizer, skip_special_tokens, _build_byte_table)
+
+
+def text_table(tokenizer, skip_special_tokens: bool) -> list[str | None]:
+    """Each id's text where its bytes (`byte_table`) are valid UTF-8 on their own, else None."""
+    return _cached(tokenizer, ("text", skip_special_tokens),
+                   lambda t, _: [_strict_text(b) for b in byte_table(t, skip_special_tokens)])  # fmt: skip
+
+
+def _cached(tokenizer, key, build):
     try:
         tables = _BYTE_TABLES.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable: build each time (still correct)
         tables = {}
-    if skip_special_tokens not in tables:
-        tables[skip_special_tokens] = _build_byte_table(tokenizer, skip_special_tokens)
-    return tables[skip_special_tokens]
+    if key not in tables:
+        tables[key] = build(tokenizer, key)
+    return tables[key]
+
+
+def _strict_text(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def _build_byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:

@@ -294,6 +294,8 @@ class Engine(EngineSteps):
             return
         bs, has_windows = self.config.block_size, self.runner.layout.has_swa
         for chunk in chunks:
+            if not has_windows and chunk.start >= len(chunk.seq.prompt_token_ids):
+                continue  # a decode chunk of a pool-only model (the common case, cheaply)
             # a chained chunk's input token is still on the device (overlapped scheduling): the
             # block it completes is published with the next chunk, when that token is known
             lag = 1 if chunk.is_chained else 0

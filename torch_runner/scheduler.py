@@ -38,6 +38,15 @@ class ScheduledChunk:
     def __post_init__(self) -> None:
         self.is_sampled = self.start + self.num_tokens == self.seq.num_scheduled_tokens
 
+    @classmethod
+    def decode(cls, seq: Sequence, start: int) -> ScheduledChunk:
+        """The one token of a sequence in decode, which is sampled: the constructor's result
+        without its checks (a large batch builds one per request per step)."""
+        chunk = cls.__new__(cls)
+        chunk.seq, chunk.start, chunk.num_tokens, chunk.restore_from = seq, start, 1, None
+        chunk.is_sampled = True
+        return chunk
+
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
@@ -192,14 +201,23 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.token_budget
         i = num_ending = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.num_output_placeholders and self._ends_at_placeholder(seq):
+        running, chunks, block_size = self.running, out.chunks, self.block_size
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            placeholders = seq.num_output_placeholders
+            if placeholders and self._ends_at_placeholder(seq):
                 # no wasted slot: it finishes when read back
                 i += 1
                 num_ending += 1
                 continue
             start = seq.num_computed_tokens
+            num_scheduled = len(seq.prompt_token_ids) + len(seq.output_token_ids) + placeholders
+            if num_scheduled == start + 1 and start < len(seq.block_table) * block_size:
+                # decode, its block already held: what the general path below decides, sooner
+                chunks.append(ScheduledChunk.decode(seq, start))
+                budget -= 1
+                i += 1
+                continue
             if not self.is_chunked_prefill and seq.num_pending_tokens > budget and out.chunks:
                 i += 1
                 continue
