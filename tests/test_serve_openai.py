@@ -7,6 +7,8 @@ token id == byte value, so chat logprobs' `bytes` recover the generated ids exac
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 import torch
@@ -67,6 +69,8 @@ def test_startup_banner_names_device_dtype_backends_kv_and_url(server):
     ):
         assert needle in banner, needle
     assert f"{server.base_url}/v1" in banner
+    frozen = re.search(r"start-up heap: (\d+) objects frozen", banner)
+    assert frozen and int(frozen.group(1)) > 10_000  # torch + the engine, after the warm-up
 
 
 def test_models_lists_the_served_name(client):

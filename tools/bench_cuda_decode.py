@@ -330,6 +330,8 @@ def main() -> None:
     parser.add_argument("--step-trace", action="store_true",
                         help="per timed run: host / device time per step of the steady window "
                         "(tools/step_trace.py)")  # fmt: skip
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="freeze the start-up heap after loading, as the server does")  # fmt: skip
     parser.add_argument("--host-profile", action="store_true",
                         help="with --profile-batch: also cProfile the host per step")  # fmt: skip
     parser.add_argument("--profile-new-length", type=int, default=0,
@@ -360,6 +362,10 @@ def main() -> None:
     weights_gib = torch.cuda.memory_allocated() / 2**30  # weights (+ the KV pool)
     graphs = getattr(engine.runner, "decode_graphs", None) is not None
     trace = StepTrace(engine) if args.step_trace else None
+    if args.gc_freeze:  # as the server does after its warm-up (torch_runner/gc_heap.py)
+        from torch_runner.gc_heap import freeze_startup_heap
+
+        print(json.dumps(dict(gc_frozen=freeze_startup_heap())), flush=True)
     gen = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
     samplings = args.sampling.split(",")

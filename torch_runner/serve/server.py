@@ -25,8 +25,11 @@ def served_name(args: argparse.Namespace, engine: Any) -> str:
     return getattr(engine, "model_name", None) or "SmolLM2-135M-Instruct"
 
 
-def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str) -> str:
-    """Device, dtype, per-op backend, KV capacity, tool parser and URL, in one block printed once."""
+def banner(
+    state: ServingState, engine: Any, backends: dict[str, str], url: str, frozen: int | None = None
+) -> str:
+    """Device, dtype, per-op backend, KV capacity, tool parser, the frozen start-up heap and URL,
+    in one block printed once."""
     stats = state.engine_stats()
     ops = ", ".join(f"{name}={backend}" for name, backend in backends.items())
     auth = " (API key required)" if state.api_key else ""
@@ -40,6 +43,7 @@ def banner(state: ServingState, engine: Any, backends: dict[str, str], url: str)
             f"max_num_seqs: {engine.config.max_num_seqs}",
             f"  tool-call parser: {state.tool_parser_name}"
             + ("   chat template: --chat-template" if state.chat_template else ""),
+            *([] if frozen is None else [f"  start-up heap: {frozen} objects frozen (gc.freeze)"]),
             f"  listening on {url}/v1{auth}",
         ]
     )
@@ -134,6 +138,7 @@ def run_server(
     import ops
     from torch_runner import AsyncEngine, Engine, SamplingParams
     from torch_runner.distributed.group import torchrun_env
+    from torch_runner.gc_heap import freeze_startup_heap
     from torch_runner.serve.app import create_app
     from torch_runner.serve.drain import DrainingServer
     from torch_runner.serve.self_warmup import warm_up_server
@@ -181,7 +186,8 @@ def run_server(
         if not args.skip_server_warmup:
             warm_up_server(app, state.model_name, args.api_key)
         url = f"http://{args.host}:{sock.getsockname()[1]}"
-        print(banner(state, engine, ops.backends(), url), flush=True)
+        frozen = freeze_startup_heap()  # after the warm-up: its garbage is collected first
+        print(banner(state, engine, ops.backends(), url, frozen), flush=True)
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=FINAL_EVENT_SECONDS
         )
