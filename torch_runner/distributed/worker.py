@@ -15,6 +15,7 @@ import torch
 from models import load_model
 from torch_runner.distributed.group import STOP, TPGroup
 from torch_runner.distributed.shard import ShardPlan
+from torch_runner.gc_heap import freeze_startup_heap
 from torch_runner.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ def run_worker(config, path: str, rank: int, size: int, init: str, local_rank: i
         num_blocks = group.receive()
         dtype = next(loaded.model.parameters()).dtype
         runner = ModelRunner(loaded, config, num_blocks, device, dtype, tensor_parallel=plan)
+        freeze_startup_heap()  # this rank's process is ours alone: as the server after warm-up
         while (message := group.receive()) != STOP:
             runner.forward_logits([WireChunk(*fields) for fields in message])
     finally:

@@ -118,17 +118,20 @@ def fill_inputs(group, block_size: int, num_rows: int, num_keys: int, scratch_sl
     padding (kv_len 0, writes to the scratch slot). `tokens`: each row's input id (default:
     the sequence's token at `start`; a placeholder id for a chained row, launched.py)."""
     cols = num_keys // block_size
-    rows = []
+    flat: list[int] = []  # row-major; numpy reads a flat list faster than nested rows
+    extend, zeros = flat.extend, [0] * cols
     for i, chunk in enumerate(group):
-        pos = chunk.start
-        table = chunk.seq.block_table[:cols]
+        pos, seq = chunk.start, chunk.seq
+        table = seq.block_table
+        if len(table) > cols:
+            table = table[:cols]
         slot = table[pos // block_size] * block_size + pos % block_size
-        token = chunk.seq.token_slice(pos, pos + 1)[0] if tokens is None else tokens[i]
-        rows.append([token, pos, pos + 1, slot, *table, *([0] * (cols - len(table)))])
-    pad = [0, 0, 0, scratch_slot] + [0] * cols
-    rows.extend(pad for _ in range(num_rows - len(group)))
-    # numpy reads nested lists ~3x faster than torch.tensor (256 rows: 0.29 vs 0.98 ms)
-    return torch.from_numpy(np.array(rows, dtype=np.int64))
+        token = seq.token_slice(pos, pos + 1)[0] if tokens is None else tokens[i]
+        extend((token, pos, pos + 1, slot))
+        extend(table)
+        extend(zeros[len(table) :])
+    flat.extend([0, 0, 0, scratch_slot, *zeros] * (num_rows - len(group)))
+    return torch.from_numpy(np.array(flat, dtype=np.int64).reshape(num_rows, 4 + cols))
 
 
 def supports_graphs(model, layout, device) -> bool:
