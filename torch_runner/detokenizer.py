@@ -135,22 +135,24 @@ def byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
     """The bytes each token id decodes to, when the tokenizer's decode is exactly
     `bytes(ids).decode("utf-8", "replace")` over them: a fast tokenizer with no space clean-up
     whose decoder is one ByteLevel. None otherwise (the windows are decoded by the tokenizer)."""
-    return _cached(tokenizer, skip_special_tokens, _build_byte_table)
+    return _cached(tokenizer, skip_special_tokens,
+                   lambda: _build_byte_table(tokenizer, skip_special_tokens))  # fmt: skip
 
 
 def text_table(tokenizer, skip_special_tokens: bool) -> list[str | None]:
     """Each id's text where its bytes (`byte_table`) are valid UTF-8 on their own, else None."""
     return _cached(tokenizer, ("text", skip_special_tokens),
-                   lambda t, _: [_strict_text(b) for b in byte_table(t, skip_special_tokens)])  # fmt: skip
+                   lambda: [_strict_text(b) for b in byte_table(tokenizer, skip_special_tokens)])  # fmt: skip
 
 
 def _cached(tokenizer, key, build):
+    """The tokenizer's table under `key`, built by `build()` once per tokenizer."""
     try:
         tables = _BYTE_TABLES.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable: build each time (still correct)
         tables = {}
     if key not in tables:
-        tables[key] = build(tokenizer, key)
+        tables[key] = build()
     return tables[key]
 
 

@@ -26,7 +26,7 @@ def served_name(args: argparse.Namespace, engine: Any) -> str:
 
 
 def banner(
-    state: ServingState, engine: Any, backends: dict[str, str], url: str, frozen: int | None = None
+    state: ServingState, engine: Any, backends: dict[str, str], url: str, frozen: int
 ) -> str:
     """Device, dtype, per-op backend, KV capacity, tool parser, the frozen start-up heap and URL,
     in one block printed once."""
@@ -43,7 +43,7 @@ def banner(
             f"max_num_seqs: {engine.config.max_num_seqs}",
             f"  tool-call parser: {state.tool_parser_name}"
             + ("   chat template: --chat-template" if state.chat_template else ""),
-            *([] if frozen is None else [f"  start-up heap: {frozen} objects frozen (gc.freeze)"]),
+            f"  start-up heap: {frozen} objects frozen (gc.freeze)",
             f"  listening on {url}/v1{auth}",
         ]
     )
