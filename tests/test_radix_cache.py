@@ -3,6 +3,8 @@ counting with the BlockManager, LRU eviction of unreferenced leaves, payload-gat
 
 import random
 
+import pytest
+
 from torch_runner.kv.block_manager import NO_BLOCK, BlockManager
 from torch_runner.kv.radix_cache import RadixCache
 
@@ -218,3 +220,117 @@ def test_block_manager_ignores_references_on_no_block():
     bm.incref(NO_BLOCK)
     bm.release(table)
     assert bm.num_free_blocks == 4 and table == []
+
+
+def _snapshot(cache: RadixCache, bm: BlockManager) -> list:
+    """Every node as (node, parent, children, last_access, block_id, refcount), parents first."""
+    out, stack = [], [(c, None) for c in cache._root.children.values()]
+    while stack:
+        node, parent = stack.pop()
+        rc = bm.refcount(node.block_id) if node.block_id != NO_BLOCK else 0
+        out.append(
+            (node, parent, list(node.children.values()), node.last_access, node.block_id, rc)
+        )
+        stack.extend((c, node) for c in node.children.values())
+    return out
+
+
+def _brute_force_evictable(cache: RadixCache, bm: BlockManager) -> int:
+    """Blocks freeable by repeated leaf eviction: a node is free when only the tree holds its
+    block (or it is a hole) and every child is free (a walk of the whole tree, the oracle)."""
+    rows = _snapshot(cache, bm)
+    free: dict[int, bool] = {}
+    total = 0
+    for node, _, children, _, block, rc in reversed(rows):  # children before parents
+        free[id(node)] = (block == NO_BLOCK or rc == 1) and all(free[id(c)] for c in children)
+        total += free[id(node)] and block != NO_BLOCK
+    return total
+
+
+def _brute_force_evict_order(cache: RadixCache, bm: BlockManager, num_blocks: int) -> list[int]:
+    """Blocks `evict(num_blocks)` must free, in order: repeatedly the least recently used leaf
+    whose block only the tree holds (a full scan per pick, on a copy of the tree)."""
+    rows = _snapshot(cache, bm)
+    parent = {id(n): p for n, p, *_ in rows}
+    kids = {id(n): {id(c) for c in ch} for n, _, ch, *_ in rows}
+    info = {id(n): (t, b, rc) for n, _, _, t, b, rc in rows}
+    order: list[int] = []
+    while sum(b != NO_BLOCK for b in order) < num_blocks:
+        leaves = [k for k in info if not kids[k] and (info[k][1] == NO_BLOCK or info[k][2] == 1)]
+        if not leaves:
+            break
+        pick = min(leaves, key=lambda k: info[k][0])
+        order.append(info.pop(pick)[1])
+        if parent[pick] is not None:
+            kids[id(parent[pick])].discard(pick)
+    return [b for b in order if b != NO_BLOCK]
+
+
+@pytest.mark.parametrize(("seed", "window"), [(0, None), (1, None), (2, 8), (3, 8)])
+def test_evictable_count_and_eviction_order_match_a_full_walk(seed, window):
+    """Random sequences share prefixes, take matched blocks, grow (evicting when the pool is
+    short, as the scheduler does), publish and finish, some with holes; after every operation
+    the kept evictable count equals a walk of the tree, and each eviction frees exactly the
+    blocks a scan-per-pick LRU reference picks, in its order."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=120, block_size=BS)
+    cache = RadixCache(bm, window=window)
+    finished: list[list[int]] = [[]]
+    live: list[tuple[list[int], list[int]]] = []
+    num_evictions = 0
+
+    def reserve(needed: int) -> bool:
+        nonlocal num_evictions
+        free = bm.num_free_blocks
+        if needed <= free:
+            return True
+        if needed > free + cache.num_evictable_blocks():
+            return False
+        expect = _brute_force_evict_order(cache, bm, needed - free)
+        before = list(bm._free)
+        cache.evict(needed - free)
+        assert list(bm._free)[len(before) :] == expect
+        num_evictions += 1
+        return True
+
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.4 and len(live) < 12:
+            base = rng.choice(finished)
+            tokens = base[: rng.randint(0, len(base))] + [
+                rng.randint(0, 2) for _ in range(rng.randint(1, 14))
+            ]
+            table, _ = cache.match_prefix(tokens, len(tokens) - 1)
+            table = list(table)
+            for block in table:
+                bm.incref(block)
+            needed = bm.blocks_for_tokens(len(tokens)) - len(table)
+            if reserve(needed):
+                bm.grow(table, len(tokens))
+                live.append((tokens, table))
+            else:
+                bm.release(table)
+        elif op < 0.55 and live:  # publish a running sequence's full blocks
+            tokens, table = rng.choice(live)
+            cache.insert(tokens, table[: len(tokens) // BS])
+        elif op < 0.85 and live:  # finish: holes where a window model gave blocks back
+            tokens, table = live.pop(rng.randrange(len(live)))
+            if window is not None:
+                for j in range(len(table) - 2):
+                    if table[j] != NO_BLOCK and rng.random() < 0.3:
+                        bm.decref(table[j])
+                        table[j] = NO_BLOCK
+            cache.insert(tokens, table[: len(tokens) // BS])
+            bm.release(table)
+            finished.append(tokens)
+        else:
+            reserve(bm.num_free_blocks + rng.randint(1, 10))
+        assert cache.num_evictable_blocks() == _brute_force_evictable(cache, bm)
+    assert num_evictions > 20
+    for _, table in live:
+        bm.release(table)
+    assert cache.num_evictable_blocks() == _brute_force_evictable(cache, bm)
+    held = sum(b != NO_BLOCK for *_, b, _ in _snapshot(cache, bm))
+    assert bm.num_used_blocks == held == cache.num_evictable_blocks()
+    cache.reset()
+    assert bm.num_free_blocks == 120 and cache.num_evictable_blocks() == 0

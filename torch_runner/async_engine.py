@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -28,8 +27,6 @@ from torch_runner.engine import Engine
 from torch_runner.outputs import coalesce
 
 logger = logging.getLogger(__name__)
-
-CACHED_STATS_SECONDS = 0.25
 
 
 class EngineOverCapacityError(RuntimeError):
@@ -90,10 +87,8 @@ class AsyncEngine:
         self._num_pending = 0
         self._thread: threading.Thread | None = None
         self._is_stopping = False
-        self._num_cached_tokens = 0
-        self._cached_at = 0.0
         self._stats: dict[str, Any] = {}
-        self._refresh_stats(force=True)
+        self._refresh_stats()
         self.fatal_error: RankFailure | None = None  # set when a tensor-parallel rank failed
         self.on_fatal: Callable[[RankFailure], None] | None = None  # the server exits on it
 
@@ -235,7 +230,7 @@ class AsyncEngine:
         while not self._is_stopping:
             self._drain_inbox()
             if not self.engine.has_unfinished():
-                self._refresh_stats(force=True)
+                self._refresh_stats()
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
@@ -258,15 +253,10 @@ class AsyncEngine:
             deliver(targets)
         self._fail_all(EngineShutdownError("AsyncEngine shut down"))
 
-    def _refresh_stats(self, force: bool = False) -> None:
-        """Engine stats for scrapers; the prefix cache's evictable share walks its tree, so while
-        busy it is recounted at most every CACHED_STATS_SECONDS (always when idle)."""
+    def _refresh_stats(self) -> None:
+        """Engine stats for scrapers (the prefix cache keeps its evictable count: O(1))."""
         stats = self.engine.stats()
-        now = time.monotonic()
-        if force or now - self._cached_at >= CACHED_STATS_SECONDS:
-            self._num_cached_tokens = self.engine.kv_cached_tokens()
-            self._cached_at = now
-        cached = min(self._num_cached_tokens, stats["kv_used_tokens"])
+        cached = min(self.engine.kv_cached_tokens(), stats["kv_used_tokens"])
         stats["kv_cached_tokens"] = cached
         stats["kv_used_tokens"] -= cached  # held by requests; evictable cache blocks apart
         stats["kv_usage"] = stats["kv_used_tokens"] / max(1, stats["kv_total_tokens"])
@@ -275,7 +265,7 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
-        self._refresh_stats(force=True)
+        self._refresh_stats()
         with self._lock:
             subscribers = list(self._subscribers.values())
         for subscriber in subscribers:

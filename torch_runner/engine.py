@@ -387,7 +387,7 @@ class Engine(EngineSteps):
             self.prefix_cache.reset()
 
     def kv_cached_tokens(self) -> int:
-        """KV tokens held only by the prefix cache (evictable on demand); O(cached blocks)."""
+        """KV tokens held only by the prefix cache (evictable on demand); O(1)."""
         if self.prefix_cache is None:
             return 0
         return self.prefix_cache.num_evictable_blocks() * self.config.block_size

@@ -9,11 +9,17 @@ pool rows.
 `NO_BLOCK` in a block table marks a block given back because no layer can read it again (every
 layer windowed and the block wholly behind the window, kv/windows.py); references on it are
 no-ops, so tables with holes release and share like any other.
+
+The prefix cache watches the blocks its nodes hold (`watch`): when such a block gains a second
+holder or drops back to the cache's reference alone, `on_shared(owner, is_shared)` tells it, so
+it keeps its evictable count without walking the tree.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 NO_BLOCK = -1  # a block-table entry whose block was given back (out of every layer's window)
 
@@ -30,6 +36,15 @@ class BlockManager:
         self.block_size = block_size
         self._refcounts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._owners: list[Any] = [None] * num_blocks  # a watcher's token per watched block
+        self.on_shared: Callable[[Any, bool], None] | None = None
+
+    def watch(self, block_id: int, owner: Any) -> None:
+        """Report this block's crossings between one holder and more to `on_shared(owner, ..)`."""
+        self._owners[block_id] = owner
+
+    def unwatch(self, block_id: int) -> None:
+        self._owners[block_id] = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,9 +73,12 @@ class BlockManager:
     def incref(self, block_id: int) -> None:
         if block_id == NO_BLOCK:
             return
-        if self._refcounts[block_id] <= 0:
+        count = self._refcounts[block_id]
+        if count <= 0:
             raise RuntimeError(f"block {block_id} is free; cannot add a reference")
-        self._refcounts[block_id] += 1
+        self._refcounts[block_id] = count + 1
+        if count == 1 and self._owners[block_id] is not None:
+            self.on_shared(self._owners[block_id], True)
 
     def decref(self, block_id: int) -> None:
         if block_id == NO_BLOCK:
@@ -71,6 +89,8 @@ class BlockManager:
         self._refcounts[block_id] = count - 1
         if count == 1:
             self._free.append(block_id)
+        elif count == 2 and self._owners[block_id] is not None:
+            self.on_shared(self._owners[block_id], False)
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Append fresh blocks to `block_table` until it covers `num_tokens` tokens."""

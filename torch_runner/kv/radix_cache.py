@@ -16,6 +16,13 @@ whose window is (a node without one falls back to the deepest covered ancestor: 
 its window). Payloads are capped (`max_payloads` nodes, LRU, deepest first among equals)
 because they live outside the pool.
 
+Nothing here walks the tree per request: a node is *locked* when its block has another holder
+(the BlockManager reports the crossings, `watch`) or a child is locked; the count of unlocked
+nodes holding a block (what repeated leaf eviction can free) is kept as locks change, stopping
+at the first ancestor whose state does not change. Eviction pops a lazy heap of candidate
+leaves (LRU); entries gone stale (node removed, locked, no longer a leaf, touched since) are
+skipped, and the heap is rebuilt when stale entries outnumber the nodes.
+
 Paged models whose every layer is windowed give back blocks behind the window (`NO_BLOCK`
 entries, kv/windows.py); such a block is cached as a hole node that holds no block, and a
 match stops at the deepest node whose window's blocks are all held (the same rule, with
@@ -33,7 +40,10 @@ from torch_runner.kv.block_manager import NO_BLOCK, BlockManager
 
 
 class _Node:
-    __slots__ = ("key", "block_id", "parent", "children", "last_access", "payload", "depth")
+    __slots__ = (
+        "key", "block_id", "parent", "children", "last_access", "payload", "depth",
+        "is_shared", "num_locked_children", "is_locked",
+    )  # fmt: skip
 
     def __init__(
         self, key: tuple[int, ...], block_id: int, parent: _Node | None, depth: int
@@ -45,6 +55,9 @@ class _Node:
         self.last_access = 0
         self.payload: Any = None
         self.depth = depth  # number of blocks from the root to this node, inclusive
+        self.is_shared = False  # its block has a holder besides the tree
+        self.num_locked_children = 0
+        self.is_locked = False  # is_shared or a locked child: not evictable
 
 
 class RadixCache:
@@ -62,6 +75,10 @@ class RadixCache:
         self._clock = itertools.count(1)
         self._num_nodes = 0
         self._payload_nodes: set[_Node] = set()
+        self._num_evictable = 0  # unlocked nodes that hold a block
+        self._heap: list[tuple[int, int, _Node]] = []  # (last_access, order, node) candidates
+        self._order = itertools.count()
+        block_manager.on_shared = self._on_shared
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
 
@@ -105,6 +122,8 @@ class RadixCache:
             path, _ = self._covered_prefix(path, lambda n: n.block_id != NO_BLOCK)
         for visited in path:
             visited.last_access = now
+        if path:
+            self._offer(path[-1])
         self.num_queried_tokens += len(token_ids)
         self.num_hit_tokens += len(path) * self.block_size
         return [n.block_id for n in path], restore
@@ -148,14 +167,13 @@ class RadixCache:
         for i, (key, block_id) in enumerate(zip(self._keys(token_ids, len(block_ids)), block_ids)):
             child = node.children.get(key)
             if child is None:
-                self.block_manager.incref(block_id)  # NO_BLOCK: a hole node, no reference
-                child = _Node(key, block_id, node, node.depth + 1)
+                child = _Node(key, NO_BLOCK, node, node.depth + 1)
                 node.children[key] = child
                 self._num_nodes += 1
                 created += 1
+                self._hold(child, block_id)  # NO_BLOCK: a hole node, no reference
             elif child.block_id == NO_BLOCK and block_id != NO_BLOCK:  # a hole filled again
-                self.block_manager.incref(block_id)
-                child.block_id = block_id
+                self._hold(child, block_id)
             child.last_access = now
             node = child
             if payload is not None and node.payload is None:
@@ -163,9 +181,53 @@ class RadixCache:
                 if node.payload is not None:
                     self._payload_nodes.add(node)
                     added = True
+        if node is not self._root:
+            self._offer(node)
         if added:
             self._cap_payloads()
         return created
+
+    # ---- lock bookkeeping (see the module docstring) ----------------------------------
+    def _hold(self, node: _Node, block_id: int) -> None:
+        """Give `node` (a hole, possibly just created) the tree's reference on `block_id`."""
+        if block_id == NO_BLOCK:
+            return
+        self.block_manager.incref(block_id)
+        self.block_manager.watch(block_id, node)
+        node.block_id = block_id
+        if not node.is_locked:
+            self._num_evictable += 1
+        self._set_shared(node, self.block_manager.refcount(block_id) > 1)
+
+    def _on_shared(self, node: _Node, is_shared: bool) -> None:
+        self._set_shared(node, is_shared)
+        if not is_shared:
+            self._offer(node)
+
+    def _set_shared(self, node: _Node, is_shared: bool) -> None:
+        node.is_shared = is_shared
+        while node is not self._root:
+            locked = node.is_shared or node.num_locked_children > 0
+            if locked == node.is_locked:
+                return
+            node.is_locked = locked
+            if node.block_id != NO_BLOCK:
+                self._num_evictable += -1 if locked else 1
+            node = node.parent
+            node.num_locked_children += 1 if locked else -1
+
+    def _offer(self, node: _Node) -> None:
+        """Queue `node` for eviction if it is an unlocked leaf (entries may go stale later)."""
+        if node.children or node.is_locked or node is self._root:
+            return
+        heapq.heappush(self._heap, (node.last_access, next(self._order), node))
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            self._heap = [
+                (n.last_access, next(self._order), n)
+                for n in self._all_nodes()
+                if not n.children and not n.is_locked
+            ]
+            heapq.heapify(self._heap)
 
     def _cap_payloads(self) -> None:
         """Drop the least recently used payloads over the cap; among equals the deepest first
@@ -179,13 +241,6 @@ class RadixCache:
             node.payload = None
             self._payload_nodes.discard(node)
 
-    def _is_evictable_leaf(self, node: _Node) -> bool:
-        return (
-            node is not self._root
-            and not node.children
-            and (node.block_id == NO_BLOCK or self.block_manager.refcount(node.block_id) == 1)
-        )
-
     def _all_nodes(self):
         stack = list(self._root.children.values())
         while stack:
@@ -194,50 +249,43 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def num_evictable_blocks(self) -> int:
-        """Blocks that repeated leaf eviction could free now (O(nodes), no recursion: a long
-        prompt is a chain thousands of nodes deep)."""
-        order, stack = [], list(self._root.children.values())
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
-        is_free: dict[int, bool] = {}
-        total = 0
-        for node in reversed(order):  # children before their parents
-            is_hole = node.block_id == NO_BLOCK
-            free = (is_hole or self.block_manager.refcount(node.block_id) == 1) and all(
-                is_free[id(c)] for c in node.children.values()
-            )
-            is_free[id(node)] = free
-            total += free and not is_hole
-        return total
+        """Blocks that repeated leaf eviction could free now (kept as locks change: O(1))."""
+        return self._num_evictable
 
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` blocks, least recently used leaves first; returns freed."""
-        heap = [(n.last_access, id(n), n) for n in self._all_nodes() if self._is_evictable_leaf(n)]
-        heapq.heapify(heap)
-        freed = 0
+        freed, heap = 0, self._heap
         while heap and freed < num_blocks:
-            _, _, node = heapq.heappop(heap)
+            access, _, node = heapq.heappop(heap)
+            if node.parent is None or node.children or node.is_locked or access != node.last_access:
+                continue  # stale: removed, locked, grown or touched since it was queued
             parent = node.parent
             self._remove(node)
             freed += node.block_id != NO_BLOCK
-            if self._is_evictable_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._offer(parent)
         return freed
 
     def _remove(self, node: _Node) -> None:
         del node.parent.children[node.key]
+        node.parent = None
         self._payload_nodes.discard(node)
         node.payload = None
         self._num_nodes -= 1
-        self.block_manager.decref(node.block_id)
+        if node.block_id != NO_BLOCK:
+            self._num_evictable -= 1  # only unlocked leaves are removed
+            self.block_manager.unwatch(node.block_id)
+            self.block_manager.decref(node.block_id)
 
     def reset(self) -> None:
         """Drop every cached node (blocks still used by running sequences stay theirs)."""
         for node in list(self._all_nodes()):
-            self.block_manager.decref(node.block_id)
+            if node.block_id != NO_BLOCK:
+                self.block_manager.unwatch(node.block_id)
+                self.block_manager.decref(node.block_id)
             node.payload = None
+            node.parent = None
         self._root.children.clear()
+        self._root.num_locked_children = 0
         self._payload_nodes.clear()
-        self._num_nodes = 0
+        self._heap.clear()
+        self._num_nodes = self._num_evictable = 0
