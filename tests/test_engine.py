@@ -2,6 +2,8 @@
 seeded tiny checkpoints): batching, chunked prefill, mid-flight arrivals, SWA windows, prefix
 cache hits, preemption under a tiny KV budget, abort, stop conditions and logprobs."""
 
+import random
+
 import pytest
 import torch
 from engine_helpers import save_engine_checkpoint
@@ -94,6 +96,43 @@ def test_prefix_cache_hits_equal_cold_runs(checkpoints, model_type):
     for out, ref, prompt in zip([first, *warm], cold, prompts):
         assert out.token_ids == ref.token_ids == _reference(hf, prompt, 10)
     assert engine.stats()["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt_oss"])
+def test_a_pool_full_of_cached_prefixes_evicts_and_still_equals_cold_runs(
+    checkpoints, model_type, monkeypatch
+):
+    """A long-running server's steady state: waves of requests over three shared system
+    prompts fill a 64-block pool with cached prefixes, so later waves evict while they hit;
+    every output equals the engine without a prefix cache."""
+    path, _ = checkpoints[model_type]
+    rng = random.Random(5)
+    systems = [[rng.randrange(50, 200) for _ in range(n)] for n in (17, 22, 26)]
+    waves = [
+        [rng.choice(systems) + [rng.randrange(50, 200) for _ in range(rng.randint(2, 9))]
+         for _ in range(6)]
+        for _ in range(5)
+    ]  # fmt: skip
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    config = dict(max_total_tokens=256, max_num_seqs=6)
+    cold = _engine(path, enable_prefix_caching=False, **config)
+    engine = _engine(path, **config)
+    freed = []
+    evict = type(engine.prefix_cache).evict
+    monkeypatch.setattr(
+        engine.prefix_cache,
+        "evict",
+        lambda n: freed.append(evict(engine.prefix_cache, n)) or freed[-1],
+    )
+    hits = 0
+    for wave in waves:
+        outs = engine.generate(wave, params)
+        for out, ref in zip(outs, cold.generate(wave, params)):
+            assert out.token_ids == ref.token_ids
+        hits += sum(o.num_cached_tokens > 0 for o in outs)
+        bm = engine.block_manager
+        assert bm.num_free_blocks + engine.prefix_cache.num_evictable_blocks() == bm.num_blocks
+    assert sum(freed) > 0 and hits >= 12
 
 
 def test_paged_windows_reuse_prefixes_at_any_block_boundary(checkpoints):
