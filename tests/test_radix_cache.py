@@ -334,3 +334,22 @@ def test_evictable_count_and_eviction_order_match_a_full_walk(seed, window):
     assert bm.num_used_blocks == held == cache.num_evictable_blocks()
     cache.reset()
     assert bm.num_free_blocks == 120 and cache.num_evictable_blocks() == 0
+
+
+def test_eviction_order_holds_when_the_heap_is_rebuilt_mid_eviction():
+    """Stale heap entries pile up (paths touched again and again) until the heap is rebuilt; a rebuild that falls inside an eviction must not change which blocks it frees, or
+    their order. The old paths are the least recently used, so evicting them pushes their
+    parents while the heap sits at its rebuild threshold."""
+    bm = BlockManager(num_blocks=64, block_size=BS)
+    cache = RadixCache(bm)
+    old = [[i] * BS + [i + 100] * BS for i in range(20)]  # two-block paths, never touched again
+    hot = [[i + 50] * BS for i in range(10)]
+    for tokens in old + hot:
+        _insert(cache, bm, tokens)
+    rng = random.Random(4)
+    while len(cache._heap) < 2 * cache.num_nodes + 64:  # the older ones go stale
+        cache.match_prefix(rng.choice(hot), BS)
+    expect = _brute_force_evict_order(cache, bm, 40)
+    before = len(bm._free)
+    assert cache.evict(40) == 40
+    assert list(bm._free)[before:] == expect

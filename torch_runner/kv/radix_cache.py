@@ -221,8 +221,8 @@ class RadixCache:
         if node.children or node.is_locked or node is self._root:
             return
         heapq.heappush(self._heap, (node.last_access, next(self._order), node))
-        if len(self._heap) > 2 * self._num_nodes + 64:
-            self._heap = [
+        if len(self._heap) > 2 * self._num_nodes + 64:  # in place: `evict` may be popping it
+            self._heap[:] = [
                 (n.last_access, next(self._order), n)
                 for n in self._all_nodes()
                 if not n.children and not n.is_locked
