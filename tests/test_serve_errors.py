@@ -9,6 +9,7 @@ disconnects that figure must fall back to zero.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import openai
@@ -235,16 +236,28 @@ def test_streaming_disconnect_aborts_and_frees_kv(server):
 
 
 def test_non_streaming_disconnect_aborts_and_frees_kv(server):
+    """The client hangs up while its (non-streaming) request runs: no wall-clock race, the
+    connection is closed once the metrics show the request running."""
     wait_for_metrics(server.base_url, _idle)
     aborted = _aborted(server)
-    timeout = httpx.Timeout(60, read=1.0)  # the client gives up (and hangs up) after 1 s
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{server.base_url}/v1/chat/completions",
-            json=CHAT | LONG,
-            headers=AUTH,
-            timeout=timeout,
-        )
+    body = CHAT | LONG | {"max_tokens": MAX_POSITIONS - 64}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=60) as client:
+            task = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                None,
+                lambda: wait_for_metrics(
+                    server.base_url, lambda v: v["torch_runner_num_requests_running"] == 1
+                ),
+            )
+            assert not task.done(), "the request ended before the client could hang up"
+            task.cancel()  # closes the connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(scenario())
     values = wait_for_metrics(
         server.base_url, lambda v: _idle(v) and v["torch_runner_kv_cache_used_tokens"] == 0
     )
