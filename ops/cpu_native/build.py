@@ -8,15 +8,25 @@ DQ / VNNI / BF16, linear512.h's and attention.h's AVX-512 parts are built in (vp
 vdpbf16ps), as a library of its own name (TORCH_RUNNER_CPU_ISA=avx2 keeps the AVX2 build).
 TORCH_RUNNER_CPU_KERNELS=torch keeps every CPU linear on torch's kernels (oneDNN / MKL /
 `_weight_int*pack_mm`), the behaviour before.
+
+Why not torch's own build folder: torch guards it with a lock *file* that a killed build leaves
+behind, and every later process then waits on it forever. Here each build runs in a private
+folder under an OS lock (fcntl.flock: released when its holder dies, however it dies); the
+finished library is renamed into a folder named by the hash of everything that shapes it, which
+later processes load without building or locking.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -103,21 +113,7 @@ def native_ops():
         logger.warning("cpu_native: this CPU has no AVX2+FMA; linears run the torch reference")
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        kernels = isa()
-        load(
-            name=f"torch_runner_native_{kernels}",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=[
-                *CFLAGS,
-                *(AVX512_CFLAGS if kernels == "avx512" else []),
-                _headers_flag(),
-            ],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        load_library(isa())
     except (RuntimeError, OSError, ImportError, SystemExit) as exc:  # no compiler / ninja
         logger.warning(
             "cpu_native: building %s failed (%s); linears run the torch reference of the same "
@@ -131,3 +127,57 @@ def native_ops():
     fake.register()  # fake impls: the compiled step traces them
 
     return torch.ops.torch_runner_native
+
+
+def build_flags(kernels: str) -> list[str]:
+    """The compiler flags of the `kernels` ("avx512" / "avx2") build."""
+    return [*CFLAGS, *(AVX512_CFLAGS if kernels == "avx512" else []), _headers_flag()]
+
+
+def library_path(kernels: str) -> Path:
+    """Where the built library lives: a folder named by the hash of the sources, headers, flags,
+    torch and Python versions, under TORCH_EXTENSIONS_DIR (torch's default root otherwise)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha1()
+    for part in [*(p.read_bytes() for p in SOURCES + HEADERS), *map(str.encode, build_flags(kernels)),
+                 torch.__version__.encode(), sys.version.encode()]:  # fmt: skip
+        digest.update(hashlib.sha1(part).digest())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return root / f"torch_runner_native_{kernels}_{digest.hexdigest()[:16]}" / "native.so"
+
+
+def load_library(kernels: str) -> Path:
+    """Load the `kernels` library into this process, building it first if no finished build is
+    cached. Builds are serialised by an flock on the cache folder's lock file (a process that
+    dies mid-build releases it); each runs in a fresh private folder, and only a finished
+    library is renamed into place, so no reader ever sees a partial one."""
+    final = library_path(kernels)
+    if not final.is_file():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with open(final.parent / "build.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # waits only while a live process builds
+            if not final.is_file():
+                for stale in final.parent.glob("build-*"):  # left by a build that was killed
+                    shutil.rmtree(stale, ignore_errors=True)
+                return _build(kernels, final)
+    torch.ops.load_library(str(final))
+    return final
+
+
+def _build(kernels: str, final: Path) -> Path:
+    """Compile into a private folder (torch's load also loads the library), then publish it."""
+    from torch.utils.cpp_extension import load
+
+    private = Path(tempfile.mkdtemp(prefix="build-", dir=final.parent))
+    try:
+        load(name=f"torch_runner_native_{kernels}", sources=[str(p) for p in SOURCES],
+             extra_cflags=build_flags(kernels), extra_ldflags=["-fopenmp"],
+             build_directory=str(private), is_python_module=False, verbose=False)  # fmt: skip
+        built = next(private.glob("*.so"), None)
+        if built is None:
+            raise RuntimeError(f"cpu_native: the build in {private} produced no library")
+        os.replace(built, final)  # atomic; the loaded mapping stays valid
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    return final
