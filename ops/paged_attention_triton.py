@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 from ops.paged_attention import check_paged_args
+from ops.pdl import launch_args
+from ops.pdl_triton import pdl_enter
 
 BLOCK_N = 64  # keys per inner tile
 TARGET_PROGRAMS = 264  # ~2 waves of the H200's 132 SMs
@@ -30,7 +32,8 @@ def _partial_kernel(Q, K, V, Tables, Lens, Acc, Lse, Sinks, Out,
                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                    PRECISION: tl.constexpr):  # fmt: skip
+                    PRECISION: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -94,7 +97,9 @@ def _partial_kernel(Q, K, V, Tables, Lens, Acc, Lse, Sinks, Out,
 def _merge_kernel(Acc, Lse, Sinks, Out,
                   stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
                   D: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
-                  SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
+                  SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+                  PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -157,7 +162,7 @@ def paged_decode_attention(
         lse.stride(1), out.stride(0), out.stride(1), sm_scale, window or 0,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, D_PAD=max(16, d_pad),
         PAGE=block_size, BLOCK=BLOCK_N, SPLITS=splits, HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, PRECISION=precision, num_warps=4,
+        HAS_SINKS=sinks is not None, PRECISION=precision, num_warps=4, **launch_args(q.device),
     )  # fmt: skip
     if splits == 1:  # the first kernel wrote the output
         return out
@@ -166,6 +171,6 @@ def paged_decode_attention(
         acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         D=d, D_PAD=max(16, d_pad), SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-        HAS_SINKS=sinks is not None, num_warps=1,
+        HAS_SINKS=sinks is not None, num_warps=1, **launch_args(q.device),
     )  # fmt: skip
     return out

@@ -94,10 +94,12 @@ def test_bf16_takes_the_gemv_where_the_mode_and_table_say(bf16_table):
 def test_bf16_gemv_switch_reads_the_mode_and_the_written_table(monkeypatch, tmp_path):
     monkeypatch.setattr(gemv_tiles, "BF16_CONFIGS", {})
     monkeypatch.setattr(gemv_tiles, "BF16_CUBLAS_FASTER", set())
+    monkeypatch.setattr(gemv_tiles, "BF16_DOT", {})
     path = tmp_path / "bf16.json"  # the format tools/bench_gemv.py --write-configs writes
     path.write_text(json.dumps({"dtype": "bf16", "configs": [[[1, 3072, 2048], [4, 1024, 8, 1]],
                                                              [[1, 128256, 2048], [8, 256, 4, 1]]],
-                                "cublas_faster": [[1, 128256, 2048]]}))  # fmt: skip
+                                "cublas_faster": [[1, 128256, 2048]],
+                                "dot": [[[1, 3072, 2048], 4]]}))  # fmt: skip
     monkeypatch.setenv(gemv_tiles.ENV_BF16_GEMV, " Auto")
     monkeypatch.setenv(gemv_tiles.ENV_BF16_GEMV_CONFIGS, str(path))
     assert gemv_tiles.bf16_gemv_mode() == "auto"
@@ -105,6 +107,9 @@ def test_bf16_gemv_switch_reads_the_mode_and_the_written_table(monkeypatch, tmp_
                                        (1, 128256, 2048): (8, 256, 4, 1)}  # fmt: skip
     assert gemv_tiles.bf16_takes_gemv(1, 3072, 2048, "auto")
     assert not gemv_tiles.bf16_takes_gemv(1, 128256, 2048, "auto")
+    # tools/bench_gemv_dot.py's file also names the shapes that run the tensor-core loop
+    assert gemv_tiles.bf16_takes_dot(1, 3072, 2048) and not gemv_tiles.bf16_takes_dot(2, 3072, 2048)
+    assert gemv_tiles.dot_stages(1, 3072, 2048, plain=True) == 4
     monkeypatch.setenv(gemv_tiles.ENV_BF16_GEMV, "yes")
     with pytest.raises(ValueError, match="TORCH_RUNNER_BF16_GEMV='yes': allowed values are auto"):
         gemv_tiles.bf16_gemv_mode()

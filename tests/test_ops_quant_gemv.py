@@ -104,6 +104,15 @@ for i, (m, n, k, block, cfg) in enumerate(BLOCK_CASES):
     x, w, s, want = block_case(m, n, k, block, seed=i)
     got = gemv(x, w, s, cfg, block=block)
     assert torch.isfinite(got).all() and rel_err(got, want) < 1e-2, (m, n, k, block)
+# the tensor-core loop (dot=True): the FMA loop's result within fp32 summation order, split-K too;
+# fp16 x past 65504 reruns the program's slices through the FMA loop: its bits
+for i, (m, n, k, cfg) in enumerate([(1, 48, 256, (16, 64, 1, 1)), (3, 40, 512, (16, 128, 1, 2)),
+                                    (8, 64, 128, (32, 64, 2, 1))]):
+    x, w, s, want = gemv_case(m, n, k, "fp8", seed=i)
+    got = gemv(x, w, s, cfg, dot=True)
+    assert rel_err(got, gemv(x, w, s, cfg, dot=False)) < 1e-2 and rel_err(got, want) < 1e-2
+    x[0, 3] = 1e6
+    assert torch.equal(gemv(x, w, s, cfg, dot=True), gemv(x, w, s, cfg, dot=False, widen=True))
 print("ok")
 """
 
@@ -248,6 +257,57 @@ def test_cuda_fp8_weight_with_a_nan_byte_keeps_the_nan_through_the_conversion_pa
     assert got[0, 5].isnan() and torch.isfinite(got[0, torch.arange(1024) != 5]).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "cfg", [(16, 128, 1, 1), (64, 128, 4, 1), (32, 256, 2, 4), (128, 64, 4, 2)]
+)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_cuda_tensor_core_gemv_equals_the_oracle(cfg, m):
+    """The tensor-core loop (x as 16 columns, one per row): exact where the sums are (fp8 and
+    bf16 weights: every product and partial sum exact in fp32, so the oracle's bits), within bf16
+    rounding of the fp32 oracle on random data, unwritten rows impossible (NaN-poisoned output
+    buffers never leak: a second call equals the first), split-K counters reset."""
+    from ops.quant.gemv_triton import _workspaces, gemv
+
+    n, k = 4100, 2048
+    x, w, s, want = exact_sum_case(n, k, torch.bfloat16, seed=m)
+    x = x.expand(m, k).contiguous() if m > 1 else x
+    want = want.expand(m, n) if m > 1 else want
+    assert torch.equal(gemv(x, w, s, cfg, dot=True), want)
+    wb = (w.float() * s[:, None]).bfloat16()  # small dyadic values: exact in bf16
+    assert torch.equal(gemv(x, wb, None, cfg, dot=True), want)
+    for kind in ("fp8", "int8"):
+        x, w, s, want = gemv_case(m, n, k, kind, device="cuda", seed=m + len(kind))
+        got = gemv(x, w, s, cfg, dot=True)
+        assert torch.isfinite(got).all() and rel_err(got, want) < 5e-3, kind
+        assert torch.equal(gemv(x, w, s, cfg, dot=True), got)
+    wb = torch.randn(n, k, device="cuda").bfloat16()
+    got = gemv(x, wb, None, cfg, dot=True)
+    assert rel_err(got, x.float() @ wb.float().T) < 5e-3
+    assert not _workspaces[x.device][1].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_cuda_tensor_core_gemv_with_x_past_fp16_gives_the_fma_loop_result():
+    """x converts to fp16 for the tensor cores: past 65504 it is inf there, and the programs
+    that see a non-finite sum rerun their slices through the FMA loop, so huge, infinite and
+    NaN activations give the FMA loop's outputs bit for bit."""
+    from ops.quant.gemv_triton import gemv
+
+    n, k, cfg = 4096, 4096, (64, 128, 4, 1)
+    w = every_e4m3_code(n, k, device="cuda", seed=5)
+    s = torch.rand(n, device="cuda") * 1e-6 + 1e-7
+    for value in (7.0e4, 1.0e30, float("inf"), float("nan")):
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        x[0, 11] = value
+        got = gemv(x, w, s, cfg, dot=True)
+        fma = gemv(x, w, s, cfg, dot=False, widen=True)
+        assert torch.equal(got.isnan(), fma.isnan())
+        assert torch.equal(got[~got.isnan()], fma[~fma.isnan()]), value
+
+
 TILE = (8, 256, 4, 1)
 
 
@@ -289,6 +349,10 @@ def test_a_chain_table_marks_how_one_row_reads_e4m3_per_shape(monkeypatch):
     assert takes(1, 1024, 2048, "auto") and not takes(1, 2048, 2048, "auto")
     assert not takes(2, 1024, 2048, "auto") and not takes(2, 1024, 2048, "on")
     assert takes(1, 2048, 2048, "on") and not takes(1, 1024, 2048, "off")
+    gemv_tiles.set_configs({(1, 1024, 2048): (32, 128, 2, 1, 3, 4), (1, 2048, 2048): TILE})
+    assert gemv_tiles.fp8_takes_dot(1, 1024, 2048) and not gemv_tiles.fp8_takes_dot(1, 2048, 2048)
+    assert gemv_tiles.dot_stages(1, 1024, 2048, plain=False) == 4
+    assert gemv_tiles.pick_config(1, 1024, 2048) == (32, 128, 2, 1)
     monkeypatch.setenv(gemv_tiles.ENV_FP8_BITS, "maybe")
     with pytest.raises(ValueError, match="TORCH_RUNNER_GEMV_FP8_BITS='maybe'.*auto, on, off"):
         gemv_tiles.fp8_bits_mode()

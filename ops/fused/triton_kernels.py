@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ops.pdl import launch_args
+from ops.pdl_triton import pdl_enter
+
 
 @triton.jit
 def _round(x, DTYPE: tl.constexpr):
@@ -27,7 +30,8 @@ def _round(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, H, eps,
-                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr):  # fmt: skip
+                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -59,12 +63,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight, eps: fl
         x2, r2, x2 if weight is None else weight, out, res_out,
         x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), h, eps,
         BLOCK=block, HAS_RES=residual is not None, HAS_W=weight is not None, num_warps=warps,
+        **launch_args(x.device),
     )  # fmt: skip
     return out.view(x.shape), x if residual is None else res_out.view(x.shape)
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -85,7 +93,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+        x2,
+        out,
+        x2.stride(0),
+        out.stride(0),
+        inter,
+        BLOCK=block,
+        num_warps=4,
+        **launch_args(x2.device),
     )
     return out.view(*gate_up.shape[:-1], inter)
 
@@ -93,7 +108,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _swiglu_kernel(X, Bias, Rows, Out, stride_x, stride_b, stride_rows, stride_o, inter, limit,
                    alpha,
-                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -127,7 +143,7 @@ def clamped_swiglu(h, limit: float, alpha: float, bias=None, bias_rows=None) -> 
         h, bias if has_bias else h, bias_rows if has_bias else h, out, h.stride(0),
         bias.stride(0) if has_bias else 0, bias_rows.stride(0) if has_bias else 0,
         out.stride(0), inter, float(limit), float(alpha),
-        BLOCK=block, HAS_BIAS=has_bias, num_warps=4,
+        BLOCK=block, HAS_BIAS=has_bias, num_warps=4, **launch_args(h.device),
     )  # fmt: skip
     return out
 
@@ -137,7 +153,8 @@ def _rope_kv_kernel(QKV, Cos, Sin, Slots, Q, K, V,
                     stride_t, stride_h, stride_ct, stride_st, stride_slot, stride_qt, stride_qh,
                     stride_ks, stride_kh, stride_vs, stride_vh,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                    ROT: tl.constexpr):  # fmt: skip
+                    ROT: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, D_PAD)
@@ -179,6 +196,7 @@ def rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, slots, num_q_heads: int)
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         HQ=num_q_heads, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d), ROT=cos.shape[-1],
         num_warps=1, enable_fp_fusion=False,  # no FMA: torch rounds x*cos before the add
+        **launch_args(qkv.device),
     )  # fmt: skip
     return q
 
@@ -189,7 +207,8 @@ _FLOAT_MAX = tl.constexpr(3.4028234663852886e38)  # torch.finfo(torch.float32).m
 
 
 @triton.jit
-def _greedy_chunk_kernel(L, Best, Index, Bad, stride_l, V, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):  # fmt: skip
+def _greedy_chunk_kernel(L, Best, Index, Bad, stride_l, V, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -206,7 +225,8 @@ def _greedy_chunk_kernel(L, Best, Index, Bad, stride_l, V, CHUNK: tl.constexpr, 
 
 
 @triton.jit
-def _greedy_merge_kernel(Best, Index, Bad, Tokens, Picks, NCHUNK: tl.constexpr, PAD: tl.constexpr):  # fmt: skip
+def _greedy_merge_kernel(Best, Index, Bad, Tokens, Picks, NCHUNK: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, PAD)
     ok = c < NCHUNK
@@ -232,7 +252,9 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     picks = torch.empty(b, dtype=torch.int64, device=logits.device)
     _greedy_chunk_kernel[(b, nchunk)](logits, best, index, bad, logits.stride(0), v,
-                                      CHUNK=GREEDY_CHUNK, NCHUNK=nchunk, num_warps=4)  # fmt: skip
+                                      CHUNK=GREEDY_CHUNK, NCHUNK=nchunk, num_warps=4,
+                                      **launch_args(logits.device))  # fmt: skip
     _greedy_merge_kernel[(b,)](best, index, bad, tokens, picks, NCHUNK=nchunk,
-                               PAD=triton.next_power_of_2(nchunk), num_warps=1)  # fmt: skip
+                               PAD=triton.next_power_of_2(nchunk), num_warps=1,
+                               **launch_args(logits.device))  # fmt: skip
     return tokens, picks

@@ -24,13 +24,14 @@ UNMEASURED_MAX_ROWS = 1  # fp8 shapes not in the table take the GEMV up to this 
 # fastest tile converting as loaded in a CUDA-graph chain of the shape's GEMVs (bench_fp8_linear
 # --chain, 19:35: one-warp programs of 4-8 channels won the wide matrices; Llama-8B decode 330.8
 # -> 340.9 tok/s over the 19:29 chain table, 307.9 before it; 1B 1,206.6 -> 1,279.5, 1,144.8);
-# 2-8 rows: 2026-12-02, do_bench with the L2 cleared
+# 2-8 rows: 2026-12-02, do_bench with the L2 cleared. The five wide one-row shapes run the
+# tensor-core loop (FP8_READS below), tiles from tools/bench_gemv_dot.py (H200, 2026-12-06)
 CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     (1, 3072, 2048): (2, 512, 2, 1), (1, 2048, 2048): (2, 1024, 4, 1),
-    (1, 16384, 2048): (8, 256, 1, 1), (1, 2048, 8192): (2, 1024, 4, 1),
-    (1, 128256, 2048): (4, 256, 1, 1), (1, 6144, 4096): (8, 512, 4, 1),
-    (1, 4096, 4096): (2, 512, 2, 1), (1, 28672, 4096): (4, 256, 1, 1),
-    (1, 4096, 14336): (4, 512, 4, 1), (1, 128256, 4096): (4, 256, 1, 1),
+    (1, 16384, 2048): (32, 128, 1, 1), (1, 2048, 8192): (2, 1024, 4, 1),
+    (1, 128256, 2048): (32, 128, 1, 1), (1, 6144, 4096): (8, 512, 4, 1),
+    (1, 4096, 4096): (2, 512, 2, 1), (1, 28672, 4096): (32, 128, 1, 1),
+    (1, 4096, 14336): (32, 256, 2, 4), (1, 128256, 4096): (32, 256, 2, 1),
     (2, 3072, 2048): (4, 512, 4, 1), (2, 2048, 2048): (16, 256, 4, 4),
     (2, 16384, 2048): (16, 512, 4, 1), (2, 2048, 8192): (8, 512, 4, 4),
     (2, 128256, 2048): (16, 512, 4, 1), (2, 6144, 4096): (8, 512, 4, 1),
@@ -92,9 +93,19 @@ def pick_config(m: int, n: int, k: int, int8: bool = False) -> tuple[int, int, i
 # loaded (gemv_triton.WIDEN_1BYTE) measured faster: (1, N, K) -> READ_BITS (bit placement,
 # E4M3_BITS) or READ_RAW (raw bytes carried, converted at use); tools/bench_fp8_linear.py --chain
 # (a CUDA graph of one shape's GEMVs over distinct weights) writes it as a tile's 5th value.
-# H200, 2026-12-04: converting as loaded won every shape in the chain (bits 2-30% slower).
-READ_CONVERT, READ_BITS, READ_RAW = 0, 1, 2
-FP8_READS: dict[tuple[int, int, int], int] = {}
+# H200, 2026-12-04: converting as loaded won every shape in the chain (bits 2-30% slower);
+# 2026-12-06: the tensor-core loop (READ_DOT) won the five wide shapes.
+# READ_DOT: the tensor-core loop (gemv_triton._accumulate_dot), with Triton's num_stages in
+# DOT_STAGES (a tile's 6th value)
+READ_CONVERT, READ_BITS, READ_RAW, READ_DOT = 0, 1, 2, 3
+# H200, 2026-12-06 (tools/bench_gemv_dot.py, a CUDA-graph chain per shape, the FMA loop at the
+# 12-04 tile / the tensor-core loop at these tiles, num_stages 4, us): 8b gate_up 34.81 / 31.14,
+# down 19.80 / 18.02, head 138.48 / 123.69; 1b gate_up 12.26 / 10.80, head 73.63 / 65.15. The
+# narrow ones (qkv, o, 1b down) stayed faster on the FMA loop (0.76-1.0x)
+_DOT_SHAPES = [(1, 16384, 2048), (1, 128256, 2048), (1, 28672, 4096), (1, 4096, 14336),
+               (1, 128256, 4096)]  # fmt: skip
+FP8_READS: dict[tuple[int, int, int], int] = dict.fromkeys(_DOT_SHAPES, READ_DOT)
+DOT_STAGES: dict[tuple[int, int, int], int] = dict.fromkeys(_DOT_SHAPES, 4)
 ENV_FP8_BITS = "TORCH_RUNNER_GEMV_FP8_BITS"  # auto (default): FP8_READS | on | off
 FP8_BITS_MODES = ("auto", "on", "off")
 
@@ -106,6 +117,8 @@ def set_configs(table: dict[tuple[int, int, int], tuple[int, ...]]) -> None:
     CONFIGS.update({key: tuple(cfg[:4]) for key, cfg in table.items()})
     FP8_READS.clear()
     FP8_READS.update({key: cfg[4] for key, cfg in table.items() if len(cfg) > 4 and cfg[4]})
+    DOT_STAGES.clear()
+    DOT_STAGES.update({key: cfg[5] for key, cfg in table.items() if len(cfg) > 5})
 
 
 def fp8_bits_mode() -> str:
@@ -128,6 +141,17 @@ def fp8_takes_bits(m: int, n: int, k: int, mode: str) -> bool:
 def fp8_reads_raw(m: int, n: int, k: int) -> bool:
     """Whether one row of an fp8 GEMV carries the raw bytes (else the WIDEN_1BYTE default)."""
     return m == 1 and FP8_READS.get((1, n, k)) == READ_RAW
+
+
+def fp8_takes_dot(m: int, n: int, k: int) -> bool:
+    """Whether one row of an fp8 GEMV runs the tensor-core loop (the table's READ_DOT)."""
+    return m == 1 and FP8_READS.get((1, n, k)) == READ_DOT
+
+
+def dot_stages(m: int, n: int, k: int, plain: bool) -> int | None:
+    """Triton's num_stages for the tensor-core loop of this shape (None: Triton's default)."""
+    key = (block_rows(m), n, k)
+    return BF16_DOT.get(key) if plain else DOT_STAGES.get(key)
 
 
 def fp8_takes_gemv(m: int, n: int, k: int, max_rows: int) -> bool:
@@ -163,6 +187,8 @@ BF16_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     (1, 128256, 4096): (2, 2048, 8, 1),
 }
 BF16_CUBLAS_FASTER: set[tuple[int, int, int]] = set()  # measured shapes where cuBLAS won
+# shapes whose tile runs the tensor-core loop -> its num_stages
+BF16_DOT: dict[tuple[int, int, int], int] = {}
 ENV_BF16_GEMV = "TORCH_RUNNER_BF16_GEMV"  # auto (default) | on | off
 ENV_BF16_GEMV_CONFIGS = "TORCH_RUNNER_BF16_GEMV_CONFIGS"  # a --write-configs JSON file
 BF16_MODES = ("auto", "on", "off")
@@ -182,12 +208,16 @@ def pick_bf16_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 def set_bf16_configs(
     table: dict[tuple[int, int, int], tuple[int, int, int, int]],
     cublas_faster: set[tuple[int, int, int]] = frozenset(),
+    dot: dict[tuple[int, int, int], int] | None = None,
 ) -> None:
-    """Replace the bf16 table and the shapes where cuBLAS measured faster (a sweep's result)."""
+    """Replace the bf16 table, the shapes where cuBLAS measured faster and those whose tile runs
+    the tensor-core loop (with its num_stages): a sweep's result."""
     BF16_CONFIGS.clear()
     BF16_CONFIGS.update(table)
     BF16_CUBLAS_FASTER.clear()
     BF16_CUBLAS_FASTER.update(cublas_faster)
+    BF16_DOT.clear()
+    BF16_DOT.update(dot or {})
 
 
 def read_bf16_configs(path: str) -> None:
@@ -196,7 +226,8 @@ def read_bf16_configs(path: str) -> None:
     with open(path) as f:
         data = json.load(f)
     set_bf16_configs({tuple(key): tuple(cfg) for key, cfg in data["configs"]},
-                     {tuple(key) for key in data.get("cublas_faster", [])})  # fmt: skip
+                     {tuple(key) for key in data.get("cublas_faster", [])},
+                     {tuple(key): stages for key, stages in data.get("dot", [])})  # fmt: skip
 
 
 def bf16_gemv_mode() -> str:
@@ -211,6 +242,11 @@ def bf16_gemv_mode() -> str:
     if path:
         read_bf16_configs(path)
     return value
+
+
+def bf16_takes_dot(m: int, n: int, k: int) -> bool:
+    """Whether a one-row bf16 GEMV of this shape runs the tensor-core loop (BF16_DOT)."""
+    return (block_rows(m), n, k) in BF16_DOT
 
 
 def bf16_takes_gemv(m: int, n: int, k: int, mode: str) -> bool:

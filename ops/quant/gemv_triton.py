@@ -37,12 +37,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ops.pdl import launch_args
+from ops.pdl_triton import pdl_enter, pdl_prefetch_enter
 from ops.quant.fp8 import E4M3_F32_MASK, E4M3_F32_UNBIAS
 from ops.quant.gemv_tiles import (
+    bf16_takes_dot,
     block_rows,
+    dot_stages,
     fp8_bits_mode,
     fp8_reads_raw,
     fp8_takes_bits,
+    fp8_takes_dot,
     pick_bf16_config,
     pick_config,
 )
@@ -61,6 +66,9 @@ if _widen_raw not in ("0", "1"):
     raise ValueError(f"{ENV_WIDEN}={_widen_raw!r}: allowed values are 0 and 1")
 WIDEN_1BYTE = _widen_raw == "1"
 FP8_BITS_MODE = fp8_bits_mode()  # where e4m3 is read by bit placement (gemv_tiles); read once
+# PDL launches (ops/pdl.py): 128-byte lines of each weight row a program asks L2 for before it
+# waits for the previous kernel (0: none)
+PREFETCH_LINES = int(os.environ.get("TORCH_RUNNER_GEMV_PREFETCH_LINES", "8"))
 
 
 # e4m3 weights by bit placement (E4M3_BITS, one row): the sign-extended byte shifted left 20 and
@@ -166,11 +174,46 @@ def _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm, 
 
 
 @triton.jit
+def _accumulate_dot(x_ptr, w_ptr, rn, n_ok, M, k_split, stride_xm, stride_wn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """This program's fp32 sums [BLOCK_M, BLOCK_N] on the tensor cores: [BLOCK_N, BLOCK_K]
+    weight slices (1-byte ones converted to fp16 as loaded, exact) times x as [BLOCK_K, 16]
+    columns, column m holding row m (x converted to the slice's dtype: exact for bf16 x in
+    fp16's normal range; |x| > 65504 gives inf, which the caller reruns); whole slices only
+    (EVEN_K). The dot pays 16 columns for one row, but the tensor cores have the rate to spare;
+    what it saves is the per-weight multiply-add and fp32 widening of the FMA loop."""
+    pid_k = tl.program_id(1)
+    rk = pid_k * k_split + tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, 16)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + cols[None, :] * stride_xm + rk[:, None]  # [BLOCK_K, 16]
+    x_ok = (cols < M)[None, :]
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for _k0 in range(0, k_split, BLOCK_K):
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if w_ptr.dtype.element_ty == tl.bfloat16:
+            acc = tl.dot(w, x.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(w.to(tl.float16), x.to(tl.float16), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    rm = tl.arange(0, BLOCK_M)
+    out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for m in tl.static_range(BLOCK_M):  # row m of the product is column m of acc
+        col = tl.sum(tl.where(cols[None, :] == m, acc, 0.0), axis=1)
+        out = tl.where(rm[:, None] == m, col[None, :], out)
+    return out
+
+
+@triton.jit
 def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, stride_xm,
           stride_wn, stride_om, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
           HAS_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-          HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr = False):  # fmt: skip
+          HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr = False,
+          DOT: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+          LINE: tl.constexpr = 128):  # fmt: skip
     # HAS_SCALE False: a plain (bf16 / fp16) weight, no scale (s_ptr unused). SCALE_BK == 0: one
     # scale per channel, s[N]; else one per (SCALE_BN, SCALE_BK) block, s[ceil(N / SCALE_BN),
     # ceil(K / SCALE_BK)] (row stride stride_sn), BLOCK_K dividing SCALE_BK. HAS_BIAS: + b[N]
@@ -182,12 +225,23 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
     n_ok = rn < N  # uniform along a row: the 16-byte loads stay vectorised
     m_ok = rm < M
     out_ok = m_ok[:, None] & n_ok[None, :]
-    acc = _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm, stride_wn,
-                      stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_SCALE, SCALE_BN, SCALE_BK,
-                      WIDEN and not E4M3_BITS, E4M3_BITS)  # fmt: skip
+    if PREFETCH > 0:  # PDL: the first PREFETCH 128-byte lines of each weight row into L2 first
+        lines = pid_k * k_split + tl.arange(0, PREFETCH) * LINE
+        rows = tl.minimum(rn, N - 1).to(tl.int64)
+        pdl_prefetch_enter(w_ptr + rows[:, None] * stride_wn + lines[None, :], PDL)
+    else:
+        pdl_enter(PDL)
+    if DOT:
+        acc = _accumulate_dot(x_ptr, w_ptr, rn, n_ok, M, k_split, stride_xm, stride_wn, BLOCK_M,
+                              BLOCK_N, BLOCK_K)  # fmt: skip
+    else:
+        acc = _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm,
+                          stride_wn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_SCALE,
+                          SCALE_BN, SCALE_BK, WIDEN and not E4M3_BITS, E4M3_BITS)  # fmt: skip
     if E4M3_BITS:
         acc = acc * E4M3_UNBIAS
-        bad = tl.where(out_ok & ~(tl.abs(acc) < INF), 1, 0)  # inf or NaN: x * 2^60 overflowed?
+    if E4M3_BITS or DOT:
+        bad = tl.where(out_ok & ~(tl.abs(acc) < INF), 1, 0)  # x * 2^60 or fp16 x overflowed?
         if tl.max(tl.max(bad, axis=1), axis=0) > 0:  # the same slices through WIDEN (rare)
             acc = _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm,
                               stride_wn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_SCALE,
@@ -223,6 +277,13 @@ def block_slices(block_n: int, block_k: int, scale_bk: int) -> tuple[int, int]:
     return block_n * (block_k // narrow), narrow
 
 
+def dot_fits(dtype: torch.dtype, block, block_n: int, block_k: int, k_split: int) -> bool:
+    """Whether a tile can run the tensor-core loop: whole 16+ slices, no block scales, x that
+    converts to fp16 exactly in its normal range (bf16) or is fp16."""
+    return (block is None and block_n >= 16 and block_k >= 16 and k_split % block_k == 0
+            and dtype in (torch.bfloat16, torch.float16))  # fmt: skip
+
+
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The device's split-K partials and counters (zeroed once; the kernel resets them), or None
     inside a graph capture before any eager call made them (capture memory is the graph's)."""
@@ -244,6 +305,8 @@ def gemv(
     bias: torch.Tensor | None = None,
     widen: bool | None = None,
     bits: bool | None = None,
+    dot: bool | None = None,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, M <= MAX_ROWS) @ weight [N, K].T (row-major) times
     scale [N] (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation. weight: e4m3 or int8 with
@@ -255,7 +318,11 @@ def gemv(
     shape measured faster carrying raw bytes: gemv_tiles.FP8_READS; ignored for 2-byte ones).
     bits: read e4m3 weights by bit placement at one row (default: gemv_tiles.fp8_takes_bits under
     FP8_BITS_MODE); False for weights holding e4m3 NaN bytes, which it would read as 480;
-    ignored for other weights and for 2+ rows."""
+    ignored for other weights and for 2+ rows.
+    dot: run the slices through the tensor cores (_accumulate_dot) where the tile allows (whole
+    slices, BLOCK_N and BLOCK_K >= 16, per-channel or no scale, bf16 / fp16 x); default: where
+    the tables say (gemv_tiles.fp8_takes_dot / bf16_takes_dot). stages: Triton's num_stages
+    for that loop (default: the table's, else Triton's)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
@@ -275,6 +342,19 @@ def gemv(
         split, ws = 1, (x, x)  # unused by the unsplit kernel
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_split = k // split if split > 1 else k
+    plain = scale is None
+    if dot is None:
+        e4m3 = weight.dtype == torch.float8_e4m3fn
+        dot = bf16_takes_dot(m, n, k) if plain else e4m3 and fp8_takes_dot(m, n, k)
+    dot = dot and dot_fits(x.dtype, block, block_n, block_k, k_split)
+    stages = stages or (dot_stages(m, n, k, plain) if dot else None)
+    extra = launch_args(x.device)
+    if stages is not None:
+        extra["num_stages"] = stages
+    if extra["PDL"] and PREFETCH_LINES:
+        span = k_split * weight.element_size() // 128  # whole lines in this program's split
+        extra.update(PREFETCH=min(PREFETCH_LINES, 1 << max(span, 1).bit_length() - 1) if span else 0,
+                     LINE=128 // weight.element_size())  # fmt: skip
     _gemv[(num_blocks, split)](x, weight, x if scale is None else scale,
                                x if bias is None else bias, out, *ws, m, n, k, k_split,
                                x.stride(0), weight.stride(0), out.stride(0),
@@ -285,8 +365,9 @@ def gemv(
                                WIDEN=weight.element_size() == 1 and (widen if widen is not None
                                else WIDEN_1BYTE and not (weight.dtype == torch.float8_e4m3fn
                                                          and fp8_reads_raw(m, n, k))),
-                               E4M3_BITS=block_m == 1 and weight.dtype == torch.float8_e4m3fn
+                               E4M3_BITS=not dot and block_m == 1
+                               and weight.dtype == torch.float8_e4m3fn
                                and (fp8_takes_bits(m, n, k, FP8_BITS_MODE) if bits is None
                                     else bits),
-                               num_warps=warps)  # fmt: skip
+                               DOT=dot, num_warps=warps, **extra)  # fmt: skip
     return out
