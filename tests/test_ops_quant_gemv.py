@@ -353,6 +353,13 @@ def test_a_chain_table_marks_how_one_row_reads_e4m3_per_shape(monkeypatch):
     assert gemv_tiles.fp8_takes_dot(1, 1024, 2048) and not gemv_tiles.fp8_takes_dot(1, 2048, 2048)
     assert gemv_tiles.dot_stages(1, 1024, 2048, plain=False) == 4
     assert gemv_tiles.pick_config(1, 1024, 2048) == (32, 128, 2, 1)
+    monkeypatch.setenv(gemv_tiles.ENV_PREFETCH, " 16")
+    assert gemv_tiles.prefetch_lines() == 16
+    monkeypatch.setenv(gemv_tiles.ENV_PREFETCH, "12")  # tl.arange needs a power of two
+    with pytest.raises(
+        ValueError, match="TORCH_RUNNER_GEMV_PREFETCH_LINES='12': allowed values are 0, 1, 2"
+    ):
+        gemv_tiles.prefetch_lines()
     monkeypatch.setenv(gemv_tiles.ENV_FP8_BITS, "maybe")
     with pytest.raises(ValueError, match="TORCH_RUNNER_GEMV_FP8_BITS='maybe'.*auto, on, off"):
         gemv_tiles.fp8_bits_mode()

@@ -143,6 +143,20 @@ def fp8_reads_raw(m: int, n: int, k: int) -> bool:
     return m == 1 and FP8_READS.get((1, n, k)) == READ_RAW
 
 
+ENV_PREFETCH = "TORCH_RUNNER_GEMV_PREFETCH_LINES"  # PDL launches: L2 lines per weight row
+PREFETCH_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+def prefetch_lines() -> int:
+    """ENV_PREFETCH (default 8, i.e. 1 KB): the 128-byte lines of each weight row a GEMV program
+    asks L2 for before it waits for the previous kernel under PDL (ops/pdl.py); 0: none."""
+    value = os.environ.get(ENV_PREFETCH, "8").strip()
+    if value not in {str(n) for n in PREFETCH_CHOICES}:
+        allowed = ", ".join(map(str, PREFETCH_CHOICES))
+        raise ValueError(f"{ENV_PREFETCH}={value!r}: allowed values are {allowed}")
+    return int(value)
+
+
 def fp8_takes_dot(m: int, n: int, k: int) -> bool:
     """Whether one row of an fp8 GEMV runs the tensor-core loop (the table's READ_DOT)."""
     return m == 1 and FP8_READS.get((1, n, k)) == READ_DOT

@@ -50,6 +50,7 @@ from ops.quant.gemv_tiles import (
     fp8_takes_dot,
     pick_bf16_config,
     pick_config,
+    prefetch_lines,
 )
 
 WORKSPACE_FLOATS = 2**22  # fp32 partials [SPLIT_K, BLOCK_M, N] of one split call (16 MiB)
@@ -68,7 +69,7 @@ WIDEN_1BYTE = _widen_raw == "1"
 FP8_BITS_MODE = fp8_bits_mode()  # where e4m3 is read by bit placement (gemv_tiles); read once
 # PDL launches (ops/pdl.py): 128-byte lines of each weight row a program asks L2 for before it
 # waits for the previous kernel (0: none)
-PREFETCH_LINES = int(os.environ.get("TORCH_RUNNER_GEMV_PREFETCH_LINES", "8"))
+PREFETCH_LINES = prefetch_lines()  # read once
 
 
 # e4m3 weights by bit placement (E4M3_BITS, one row): the sign-extended byte shifted left 20 and
