@@ -24,6 +24,12 @@ per device (outside graph capture; a call captured before any eager call runs un
 calls on one device must be ordered (one stream, as the engine's steps are), never concurrent.
 No host sync; the grid depends on N and M only, so CUDA graphs capture it.
 
+The tensor-core loop (DOT, `_accumulate_dot`): the same tiles fed to tl.dot as fp16 (1-byte
+weights) or bf16 slices against x as 16 columns, one per row. The FMA loop above costs ~4.6
+sm_90 instructions a weight and is issue-bound on the H200's bandwidth; the dot is not (the
+wide one-row fp8 shapes 1.10-1.14x faster, gemv_tiles.FP8_READS). Under PDL (ops/pdl.py) every
+program asks L2 for the start of its weight rows, then waits for the previous kernel.
+
 Tiles (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) per shape come from ops/quant/gemv_tiles.py (measured
 on the H200 by tools/bench_fp8_linear.py's sweep, bf16 by tools/bench_gemv.py's, with a rule for
 shapes not measured).
