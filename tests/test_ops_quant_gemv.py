@@ -353,6 +353,9 @@ def test_a_chain_table_marks_how_one_row_reads_e4m3_per_shape(monkeypatch):
     assert gemv_tiles.fp8_takes_dot(1, 1024, 2048) and not gemv_tiles.fp8_takes_dot(1, 2048, 2048)
     assert gemv_tiles.dot_stages(1, 1024, 2048, plain=False) == 4
     assert gemv_tiles.pick_config(1, 1024, 2048) == (32, 128, 2, 1)
+    # a product that cannot run the dot (block scales, fp32 x) takes the rule's FMA tile there
+    assert gemv_tiles.pick_config(1, 1024, 2048, dot=False) == (8, 512, 4, 1)
+    assert gemv_tiles.pick_config(1, 2048, 2048, dot=False) == TILE  # not a dot tile: kept
     monkeypatch.setenv(gemv_tiles.ENV_PREFETCH, " 16")
     assert gemv_tiles.prefetch_lines() == 16
     monkeypatch.setenv(gemv_tiles.ENV_PREFETCH, "12")  # tl.arange needs a power of two

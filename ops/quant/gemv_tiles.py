@@ -77,13 +77,18 @@ def block_rows(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def pick_config(m: int, n: int, k: int, int8: bool = False) -> tuple[int, int, int, int]:
+def pick_config(
+    m: int, n: int, k: int, int8: bool = False, dot: bool = True
+) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, SPLIT_K) for an [m, k] @ [n, k].T product: the measured
     table (INT8_ROW_CONFIGS first for one row of int8 weights), else 8 (16 for wide N) channels
-    by 512-byte slices, 4 warps, unsplit (split-K won no measured shape at one row)."""
+    by 512-byte slices, 4 warps, unsplit (split-K won no measured shape at one row). dot False:
+    a product that will not run the tensor-core loop (block scales, fp32 x) takes the rule
+    where the table's tile was measured for that loop (READ_DOT)."""
     key = (block_rows(m), n, k)
     found = INT8_ROW_CONFIGS.get(key) if int8 else None
-    found = found or CONFIGS.get(key)
+    if found is None and (dot or FP8_READS.get(key) != READ_DOT):
+        found = CONFIGS.get(key)
     if found is not None:
         return found
     return (8 if n <= 8192 else 16), min(512, 1 << max(k - 1, 1).bit_length()), 4, 1

@@ -335,8 +335,13 @@ def gemv(
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_m = block_rows(m)
-    if config is None and scale is not None:
-        config = pick_config(m, n, k, int8=weight.dtype == torch.int8)
+    plain = scale is None
+    if dot is None:
+        e4m3 = weight.dtype == torch.float8_e4m3fn
+        dot = bf16_takes_dot(m, n, k) if plain else e4m3 and fp8_takes_dot(m, n, k)
+    dot = dot and block is None and x.dtype in (torch.bfloat16, torch.float16)
+    if config is None and not plain:  # a table tile made for the dot only where it runs
+        config = pick_config(m, n, k, int8=weight.dtype == torch.int8, dot=dot)
     block_n, block_k, warps, split = config or pick_bf16_config(m, n, k)
     scale_bn, scale_bk = block or (0, 0)
     if block is not None:
@@ -349,10 +354,6 @@ def gemv(
         split, ws = 1, (x, x)  # unused by the unsplit kernel
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_split = k // split if split > 1 else k
-    plain = scale is None
-    if dot is None:
-        e4m3 = weight.dtype == torch.float8_e4m3fn
-        dot = bf16_takes_dot(m, n, k) if plain else e4m3 and fp8_takes_dot(m, n, k)
     dot = dot and dot_fits(x.dtype, block, block_n, block_k, k_split)
     stages = stages or (dot_stages(m, n, k, plain) if dot else None)
     extra = launch_args(x.device)
