@@ -284,11 +284,10 @@ def block_slices(block_n: int, block_k: int, scale_bk: int) -> tuple[int, int]:
     return block_n * (block_k // narrow), narrow
 
 
-def dot_fits(dtype: torch.dtype, block, block_n: int, block_k: int, k_split: int) -> bool:
-    """Whether a tile can run the tensor-core loop: whole 16+ slices, no block scales, x that
-    converts to fp16 exactly in its normal range (bf16) or is fp16."""
-    return (block is None and block_n >= 16 and block_k >= 16 and k_split % block_k == 0
-            and dtype in (torch.bfloat16, torch.float16))  # fmt: skip
+def dot_fits(block_n: int, block_k: int, k_split: int) -> bool:
+    """Whether a tile can run the tensor-core loop: whole slices of 16+ channels and columns
+    (block scales and x other than bf16 / fp16 are ruled out before the tile is picked)."""
+    return block_n >= 16 and block_k >= 16 and k_split % block_k == 0
 
 
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -354,7 +353,7 @@ def gemv(
         split, ws = 1, (x, x)  # unused by the unsplit kernel
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_split = k // split if split > 1 else k
-    dot = dot and dot_fits(x.dtype, block, block_n, block_k, k_split)
+    dot = dot and dot_fits(block_n, block_k, k_split)
     stages = stages or (dot_stages(m, n, k, plain) if dot else None)
     extra = launch_args(x.device)
     if stages is not None:
