@@ -1,9 +1,10 @@
 #!/bin/bash
 # Batch-1 (or BATCHES) decode tok/s for several geometry / weight / PDL variants in ONE device call,
 # one line each (tools/bench_cuda_decode.py underneath; its full JSON rows go to $OUT/decode.log).
-# A spec is GEOMETRY:MODE[:PDL]: GEOMETRY 8b | 1b (llama-8b / llama-1b), MODE bf16 | fp8 | int8 |
-# fp8table (fp8 with the tile table in $TABLE, bench_gemv_dot / bench_fp8_linear --write-configs
-# format), PDL auto | on | off (TORCH_RUNNER_PDL). Compare ratios within one call only.
+# A spec is GEOMETRY:MODE[:PDL[:LINES]]: GEOMETRY 8b | 1b (llama-8b / llama-1b), MODE bf16 | fp8 |
+# int8 | fp8table (fp8 with the tile table in $TABLE, bench_gemv_dot / bench_fp8_linear
+# --write-configs format), PDL auto | on | off (TORCH_RUNNER_PDL), LINES the GEMV's L2 prefetch
+# under PDL (TORCH_RUNNER_GEMV_PREFETCH_LINES; default: the library's). Compare within one call.
 #
 #   OUT=/tmp/o SPECS="8b:fp8 8b:bf16 1b:fp8 1b:bf16" REPEATS=2 bash tools/decode_matrix.sh
 set -u
@@ -26,8 +27,10 @@ if not rows:
 PY
 }
 for spec in ${SPECS:-8b:fp8 8b:bf16 1b:fp8 1b:bf16}; do
-  IFS=: read -r geo mode pdl <<< "$spec"
+  IFS=: read -r geo mode pdl lines <<< "$spec"
   export TORCH_RUNNER_PDL=${pdl:-auto}
+  if [ -n "${lines:-}" ]; then export TORCH_RUNNER_GEMV_PREFETCH_LINES=$lines
+  else unset TORCH_RUNNER_GEMV_PREFETCH_LINES; fi
   case $mode in
     bf16) run "$spec" --geometry "llama-$geo" ;;
     fp8 | int8) run "$spec" --geometry "llama-$geo" --quantization "$mode" ;;
