@@ -20,7 +20,6 @@ from torch import nn
 
 import ops
 from models.args import ModelArgs
-from ops.activation import silu_mul
 from ops.rope import rope_tables, rotate
 
 
@@ -226,10 +225,11 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)  # [B, N, 2I]
         down = self.down_proj
-        if self.act is F.silu:  # one kernel on CUDA, the same silu(gate) * up elsewhere
-            return ops.linear(silu_mul(gate_up), down.weight, down.bias)  # [B, N, H]
+        if self.act is F.silu:  # on CUDA one kernel, or none (in the GEMV's epilogue)
+            h = ops.linear_silu_mul(x, self.gate_up_weight, self.gate_up_bias)  # [B, N, I]
+            return ops.linear(h, down.weight, down.bias)  # [B, N, H]
+        gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)  # [B, N, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         return ops.linear(self.act(gate) * up, down.weight, down.bias)
 

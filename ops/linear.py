@@ -18,6 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ops.activation import silu_mul
+
 PACK_ROWS_HINT = 8  # oneDNN picks the blocked layout for this many rows; 8 measured best for 1-512
 
 
@@ -70,11 +72,7 @@ def _linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     has no host sync and a fixed grid, so CUDA graphs capture it; graph and eager steps route
     a shape alike."""
     if x.numel() == x.shape[-1]:
-        bias_kind = None if bias is None else (bias.dtype, bias.stride(0))
-        key = (x.dtype, weight.dtype, *weight.shape, *weight.stride(), bias_kind)
-        route = _ONE_ROW_ROUTES.get(key, False)
-        if route is False:
-            route = _ONE_ROW_ROUTES[key] = _one_row_route(x, weight, bias)
+        route = _route_for(x, weight, bias)
         if route is not None:
             gemv, config = route
             out = gemv(x.reshape(1, -1), weight, None, config, bias=bias)  # [1, N]
@@ -82,6 +80,69 @@ def _linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if not torch.cuda.is_current_stream_capturing():
         return _linear_eager_cuda(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu_mul(linear(x, weight, bias))` for a [gate | up] weight [2I, in] (a feed-forward's
+    fused gate/up projection) -> [..., I]. On CUDA, where that product runs the Triton GEMV
+    (batch-1 bf16 rows the table routes; fp8 / int8 decode rows) and the shape measured faster
+    so (`TORCH_RUNNER_GEMV_SILU=auto`; `on`: every such product, `off`: none), the GEMV applies
+    silu(gate) * up to its rounded sums before storing: one kernel and the [.., 2I] round trip
+    fewer, the same values as the GEMV followed by the SiLU-mul kernel."""
+    if x.is_cuda and _silu_mode() != "off":
+        out = _gated_gemv(x, weight, bias)
+        if out is not None:
+            return out
+    return silu_mul(linear(x, weight, bias))
+
+
+_SILU_MODE: list[str] = []  # ops/quant/gemv_tiles.silu_gemv_mode(), read on first use
+
+
+def _silu_mode() -> str:
+    if not _SILU_MODE:
+        from ops.quant.gemv_tiles import silu_gemv_mode
+
+        _SILU_MODE.append(silu_gemv_mode())
+    return _SILU_MODE[0]
+
+
+def _gated_gemv(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The GEMV `linear` would run for x @ weight.T, in its gated mode; None where `linear`
+    runs another kernel (or adds a quantized weight's bias after rounding: not fused) or the
+    mode does not fuse this shape (ops/quant/gemv_tiles.silu_in_gemv)."""
+    from ops.quant.gemv_tiles import silu_in_gemv
+
+    flat = x.reshape(-1, x.shape[-1])
+    if getattr(weight, "is_quantized", False):
+        same_dtype = weight.compute_dtype == flat.dtype
+        args = weight.gemv_args(flat) if bias is None and same_dtype else None
+        kind = "fp8" if args is not None and args[0].dtype == torch.float8_e4m3fn else "int8"
+        if args is None or not silu_in_gemv(kind, flat.shape[0], *weight.shape, _silu_mode()):
+            return None
+        from ops.quant.gemv_triton import gemv
+
+        out = gemv(flat, args[0], args[1], gated=True, **args[2])
+    else:
+        fuse = flat.shape[0] == 1 and silu_in_gemv("bf16", 1, *weight.shape, _silu_mode())
+        route = _route_for(flat, weight, bias) if fuse else None
+        if route is None:
+            return None
+        gemv, config = route
+        out = gemv(flat, weight, None, config, bias=bias, gated=True)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _route_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The one-row bf16 GEMV route of x [1, K] @ weight.T (decided once per kind), or None."""
+    if weight.is_mkldnn:
+        return None
+    bias_kind = None if bias is None else (bias.dtype, bias.stride(0))
+    key = (x.dtype, weight.dtype, *weight.shape, *weight.stride(), bias_kind)
+    route = _ONE_ROW_ROUTES.get(key, False)
+    if route is False:
+        route = _ONE_ROW_ROUTES[key] = _one_row_route(x, weight, bias)
+    return route
 
 
 def _one_row_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

@@ -69,6 +69,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight, eps: fl
 
 
 @triton.jit
+def silu_mul_values(g, u, DTYPE: tl.constexpr):
+    """silu(g) * u rounded as torch rounds `F.silu(g) * u` on DTYPE tensors (silu to DTYPE, then
+    the product), from g and u in any float type: the SiLU-mul kernel's math, and the one-row
+    GEMV's when it reads gate_up itself (ops/quant/gemv_triton.py)."""
+    g = g.to(tl.float32)
+    act = _round(g / (1.0 + tl.exp(-g)), DTYPE)  # F.silu rounds to the dtype, then `* up`
+    return (act * u.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
 def _silu_mul_kernel(
     X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False
 ):
@@ -77,10 +87,9 @@ def _silu_mul_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
     dtype = Out.dtype.element_ty
-    g = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(X + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    act = _round(g / (1.0 + tl.exp(-g)), dtype)  # F.silu rounds to the dtype, then `* up`
-    tl.store(Out + row * stride_o + cols, (act * u).to(dtype), mask=ok)
+    g = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+    u = tl.load(X + row * stride_x + inter + cols, mask=ok, other=0.0)
+    tl.store(Out + row * stride_o + cols, silu_mul_values(g, u, dtype), mask=ok)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

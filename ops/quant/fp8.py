@@ -68,18 +68,27 @@ class Fp8Weight(QuantizedLinearWeight):
         # conversion path (one check, one host sync, at load)
         self.gemv_bits = self.device.type == "cuda" and count_nan(weight) == 0
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def gemv_args(self, x: torch.Tensor) -> tuple | None:
         is_half = x.dtype in (torch.bfloat16, torch.float16)
         if self.uses_block_gemv and is_half and x.shape[0] <= min(WEIGHT_ONLY_MAX_ROWS, MAX_ROWS):
+            return self.weight, self.scale, dict(block=self.block, bits=self._bits())
+        rows = x.shape[0]
+        if (
+            self.uses_scaled_mm
+            and is_half
+            and fp8_takes_gemv(rows, *self.shape, WEIGHT_ONLY_MAX_ROWS)
+        ):
+            return self.weight, self.scale, dict(bits=self._bits())
+        return None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        args = self.gemv_args(x)
+        if args is not None:
             from ops.quant.gemv_triton import gemv
 
-            return gemv(x, self.weight, self.scale, block=self.block, bits=self._bits())
+            return gemv(x, args[0], args[1], **args[2])
         if not self.uses_scaled_mm:
             return F.linear(x, self.dequantize())
-        if is_half and fp8_takes_gemv(x.shape[0], *self.shape, WEIGHT_ONLY_MAX_ROWS):
-            from ops.quant.gemv_triton import gemv
-
-            return gemv(x, self.weight, self.scale, bits=self._bits())
         from ops.quant.fp8_triton import quantize_rows
 
         xq, x_scale = quantize_rows(x)  # [M, K] e4m3, [M, 1] fp32

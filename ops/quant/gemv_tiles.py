@@ -126,14 +126,42 @@ def set_configs(table: dict[tuple[int, int, int], tuple[int, ...]]) -> None:
     DOT_STAGES.update({key: cfg[5] for key, cfg in table.items() if len(cfg) > 5})
 
 
+def env_choice(name: str, default: str, choices) -> str:
+    """Environment variable `name` (default `default`), stripped and lower-cased, one of
+    `choices` (strings), else one ValueError naming the variable and the allowed values."""
+    value = os.environ.get(name, default).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: allowed values are {', '.join(choices)}")
+    return value
+
+
 def fp8_bits_mode() -> str:
     """ENV_FP8_BITS, read once by ops/quant/gemv_triton.py."""
-    value = os.environ.get(ENV_FP8_BITS, "auto").strip().lower()
-    if value not in FP8_BITS_MODES:
-        raise ValueError(
-            f"{ENV_FP8_BITS}={value!r}: allowed values are {', '.join(FP8_BITS_MODES)}"
-        )
-    return value
+    return env_choice(ENV_FP8_BITS, "auto", FP8_BITS_MODES)
+
+
+ENV_SILU = "TORCH_RUNNER_GEMV_SILU"  # auto (default) | on | off
+SILU_MODES = ("auto", "on", "off")
+# (weight kind, rows, 2I, K) whose gate/up GEMV measured faster with silu(gate) * up in its
+# epilogue than followed by the SiLU-mul kernel. H200, batch-1 decode, on / off / on in one
+# call (2026-12-06): Llama-8B fp8 385.7 / 381.1 / 385.8 tok/s; bf16 249.7 / 252.5 / 249.6,
+# Llama-1B fp8 1,466.7 / 1,483.0 / 1,466.3, bf16 1,110.2 / 1,116.6 / 1,110.4 (slower: a program
+# then reads its rows from two places, half the channels each)
+SILU_FASTER = {("fp8", 1, 28672, 4096)}
+
+
+def silu_gemv_mode() -> str:
+    """ENV_SILU: where a feed-forward's gate/up projection that runs the GEMV applies
+    silu(gate) * up in its epilogue (ops.linear.linear_silu_mul: one kernel a layer fewer, the
+    same values as the SiLU-mul kernel after it): auto, the SILU_FASTER shapes; on, every one;
+    off, none (the GEMV, then that kernel)."""
+    return env_choice(ENV_SILU, "auto", SILU_MODES)
+
+
+def silu_in_gemv(kind: str, m: int, n: int, k: int, mode: str) -> bool:
+    """Whether an [n, k] gate/up product of m rows, weight kind "fp8" / "int8" / "bf16", takes
+    the GEMV's gated epilogue under `mode` (silu_gemv_mode)."""
+    return mode == "on" or (mode == "auto" and (kind, block_rows(m), n, k) in SILU_FASTER)
 
 
 def fp8_takes_bits(m: int, n: int, k: int, mode: str) -> bool:
@@ -158,11 +186,7 @@ def prefetch_lines() -> int:
     (Llama-8B batch-1 decode, one call): 0 / 4 / 8 / 16 / 32 lines, fp8 383.8 / 380.8 / 376.5 /
     361.2 / 329.7 tok/s, bf16 252.8 / 244.3 / 242.8 / - / 228.7: the prefetch takes bandwidth
     from the kernel still running; kept as a switch for other GPUs."""
-    value = os.environ.get(ENV_PREFETCH, "0").strip()
-    if value not in {str(n) for n in PREFETCH_CHOICES}:
-        allowed = ", ".join(map(str, PREFETCH_CHOICES))
-        raise ValueError(f"{ENV_PREFETCH}={value!r}: allowed values are {allowed}")
-    return int(value)
+    return int(env_choice(ENV_PREFETCH, "0", [str(n) for n in PREFETCH_CHOICES]))
 
 
 def fp8_takes_dot(m: int, n: int, k: int) -> bool:
@@ -257,9 +281,7 @@ def bf16_gemv_mode() -> str:
     GEMV for the shapes the table measured faster than cuBLAS, "on" for every one-row bf16 shape
     (the rule's tile where unmeasured), "off" never; ENV_BF16_GEMV_CONFIGS, when set, is a
     --write-configs file that replaces the table first."""
-    value = os.environ.get(ENV_BF16_GEMV, "auto").strip().lower()
-    if value not in BF16_MODES:
-        raise ValueError(f"{ENV_BF16_GEMV}={value!r}: allowed values are {', '.join(BF16_MODES)}")
+    value = env_choice(ENV_BF16_GEMV, "auto", BF16_MODES)
     path = os.environ.get(ENV_BF16_GEMV_CONFIGS)
     if path:
         read_bf16_configs(path)

@@ -70,6 +70,11 @@ class QuantizedLinearWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def gemv_args(self, x: torch.Tensor) -> tuple | None:
+        """(weight, scale, keyword arguments) of the Triton GEMV (ops/quant/gemv_triton.py)
+        `matmul` runs for these rows x [M, K], or None where it runs another kernel."""
+        return None
+
     def nbytes(self) -> int:
         raise NotImplementedError
 
@@ -85,11 +90,17 @@ class Int8Weight(QuantizedLinearWeight):
         super().set_compute_dtype(dtype)
         self.compute_scales = self.scales.to(dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def gemv_args(self, x: torch.Tensor) -> tuple | None:
         if x.is_cuda and x.shape[0] <= INT8_GEMV_MAX_ROWS and x.dtype != torch.float32:
+            return self.qweight, self.compute_scales, {}
+        return None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        args = self.gemv_args(x)
+        if args is not None:
             from ops.quant.gemv_triton import gemv  # triton: imported on CUDA only
 
-            return gemv(x, self.qweight, self.compute_scales)
+            return gemv(x, args[0], args[1], **args[2])
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.compute_scales)
 
     def dequantize(self) -> torch.Tensor:
