@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ops.activation import silu_mul
+from ops.fused import kernels_for
 
 PACK_ROWS_HINT = 8  # oneDNN picks the blocked layout for this many rows; 8 measured best for 1-512
 
@@ -88,8 +89,9 @@ def linear_silu_mul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -
     (batch-1 bf16 rows the table routes; fp8 / int8 decode rows) and the shape measured faster
     so (`TORCH_RUNNER_GEMV_SILU=auto`; `on`: every such product, `off`: none), the GEMV applies
     silu(gate) * up to its rounded sums before storing: one kernel and the [.., 2I] round trip
-    fewer, the same values as the GEMV followed by the SiLU-mul kernel."""
-    if x.is_cuda and _silu_mode() != "off":
+    fewer, the same values as the GEMV followed by the SiLU-mul kernel (so never with
+    `TORCH_RUNNER_FUSED_KERNELS=0`, which keeps the torch SiLU-mul)."""
+    if _silu_mode() != "off" and kernels_for(x) is not None:  # the fused SiLU-mul's values
         out = _gated_gemv(x, weight, bias)
         if out is not None:
             return out
