@@ -117,10 +117,13 @@ def _gated_gemv(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Ten
 
     flat = x.reshape(-1, x.shape[-1])
     if getattr(weight, "is_quantized", False):
-        same_dtype = weight.compute_dtype == flat.dtype
-        args = weight.gemv_args(flat) if bias is None and same_dtype else None
-        kind = "fp8" if args is not None and args[0].dtype == torch.float8_e4m3fn else "int8"
-        if args is None or not silu_in_gemv(kind, flat.shape[0], *weight.shape, _silu_mode()):
+        kind, same_dtype = weight.gemv_kind, weight.compute_dtype == flat.dtype
+        if kind is None or bias is not None or not same_dtype:
+            return None
+        if not silu_in_gemv(kind, flat.shape[0], *weight.shape, _silu_mode()):
+            return None  # the shape table first: gemv_args is the costlier question
+        args = weight.gemv_args(flat)
+        if args is None:
             return None
         from ops.quant.gemv_triton import gemv
 

@@ -48,6 +48,8 @@ class Fp8Weight(QuantizedLinearWeight):
     """An [N, K] e4m3 weight with fp32 scales: [N] per channel (a per-tensor scale is stored
     expanded) or [ceil(N / bn), ceil(K / bk)] per (bn, bk) block (`block`)."""
 
+    gemv_kind = "fp8"
+
     def __init__(
         self,
         weight: torch.Tensor,

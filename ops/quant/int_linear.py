@@ -42,6 +42,7 @@ class QuantizedLinearWeight:
 
     is_mkldnn = False  # ops.linear asks a weight these two before choosing a kernel
     is_quantized = True
+    gemv_kind: str | None = None  # "fp8" / "int8": the Triton GEMV's weight kind (gemv_args)
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device):
         self.shape = torch.Size((out_features, in_features))
@@ -80,6 +81,8 @@ class QuantizedLinearWeight:
 
 
 class Int8Weight(QuantizedLinearWeight):
+    gemv_kind = "int8"
+
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
         super().__init__(*qweight.shape, scales.dtype, qweight.device)
         self.qweight, self.scales = qweight, scales  # [N, K] int8, [N] in the activation dtype
