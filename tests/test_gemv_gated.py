@@ -97,6 +97,28 @@ def test_the_switch_names_its_values_and_auto_fuses_the_measured_shapes(monkeypa
     assert takes("fp8", 1, 28672, 4096, "auto") and not takes("bf16", 1, 28672, 4096, "auto")
     assert not takes("fp8", 2, 28672, 4096, "auto") and takes("bf16", 2, 28672, 4096, "on")
     assert not takes("fp8", 1, 28672, 4096, "off")
+    # more rows than the GEMV takes (a prefill chunk, batch 9+): never, not an error
+    assert not takes("fp8", 9, 28672, 4096, "auto") and not takes("bf16", 300, 64, 32, "on")
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_prefill_rows_of_a_fused_shape_run_the_matmul_then_silu_mul(mode, monkeypatch):
+    """A quantized gate/up product of more rows than the GEMV takes (here 9 and 33, as a prefill
+    chunk gives) skips the gated GEMV and returns linear then SiLU-mul, where the shape table
+    would fuse its decode rows (the 12-06 fp8 prefill raised in block_rows)."""
+    from ops.activation import silu_mul
+    from ops.quant import gemv_tiles
+    from ops.quant.int_linear import quantize_int8
+
+    linear_module = importlib.import_module("ops.linear")
+    monkeypatch.setattr(linear_module, "_SILU_MODE", [mode])
+    monkeypatch.setattr(linear_module, "kernels_for", lambda x: object())  # as on CUDA
+    monkeypatch.setattr(gemv_tiles, "SILU_FASTER", {("int8", 8, 16, 32)})
+    gen = torch.Generator().manual_seed(1)
+    weight = quantize_int8(torch.randn(16, 32, generator=gen).bfloat16())
+    for rows in (9, 33):
+        x = torch.randn(rows, 32, generator=gen).bfloat16()
+        assert torch.equal(ops.linear_silu_mul(x, weight), silu_mul(ops.linear(x, weight)))
 
 
 def test_off_cuda_linear_silu_mul_is_linear_then_silu_mul():
@@ -120,7 +142,7 @@ def test_off_cuda_linear_silu_mul_is_linear_then_silu_mul():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["fp8", "int8", "bf16"])
 @pytest.mark.parametrize("n,k", [(16384, 2048), (28672, 4096), (200, 304)])
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 4, 9])
 def test_cuda_gate_up_with_silu_in_the_epilogue_equals_the_gemv_then_silu_mul(
     kind, m, n, k, monkeypatch
 ):

@@ -160,7 +160,10 @@ def silu_gemv_mode() -> str:
 
 def silu_in_gemv(kind: str, m: int, n: int, k: int, mode: str) -> bool:
     """Whether an [n, k] gate/up product of m rows, weight kind "fp8" / "int8" / "bf16", takes
-    the GEMV's gated epilogue under `mode` (silu_gemv_mode)."""
+    the GEMV's gated epilogue under `mode` (silu_gemv_mode). Never for more rows than the GEMV
+    takes (MAX_ROWS): prefill chunks and wide batches run the matmul, then the SiLU-mul kernel."""
+    if not 1 <= m <= MAX_ROWS:
+        return False
     return mode == "on" or (mode == "auto" and (kind, block_rows(m), n, k) in SILU_FASTER)
 
 
