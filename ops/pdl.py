@@ -19,16 +19,15 @@ import os
 
 import torch
 
+from ops.env import env_choice
+
 ENV_PDL = "TORCH_RUNNER_PDL"  # auto (default): on where the GPU has it (sm_90+) | on | off
 PDL_MODES = ("auto", "on", "off")
 _capable: dict[int, bool] = {}
 
 
 def pdl_mode() -> str:
-    value = os.environ.get(ENV_PDL, "auto").strip().lower()
-    if value not in PDL_MODES:
-        raise ValueError(f"{ENV_PDL}={value!r}: allowed values are {', '.join(PDL_MODES)}")
-    return value
+    return env_choice(ENV_PDL, "auto", PDL_MODES)
 
 
 def pdl_on(device: torch.device) -> bool:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 
+from ops.env import env_choice
+
 MAX_ROWS = 8  # BLOCK_M: the kernel keeps every row's accumulator in registers
 UNMEASURED_MAX_ROWS = 1  # fp8 shapes not in the table take the GEMV up to this many rows
 # (BLOCK_M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT_K), H200; one row: 2026-12-04, the
@@ -124,15 +126,6 @@ def set_configs(table: dict[tuple[int, int, int], tuple[int, ...]]) -> None:
     FP8_READS.update({key: cfg[4] for key, cfg in table.items() if len(cfg) > 4 and cfg[4]})
     DOT_STAGES.clear()
     DOT_STAGES.update({key: cfg[5] for key, cfg in table.items() if len(cfg) > 5})
-
-
-def env_choice(name: str, default: str, choices) -> str:
-    """Environment variable `name` (default `default`), stripped and lower-cased, one of
-    `choices` (strings), else one ValueError naming the variable and the allowed values."""
-    value = os.environ.get(name, default).strip().lower()
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: allowed values are {', '.join(choices)}")
-    return value
 
 
 def fp8_bits_mode() -> str:
