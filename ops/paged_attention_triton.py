@@ -3,9 +3,8 @@
 Split-K flash decoding: program (row b, KV head h, split s) takes the G = Hq / Hkv query heads
 that share KV head h (one tl.dot over a [G, D] query tile, padded to 16 rows), walks split s of
 the row's visible keys [max(0, L - W), L) through the block table, and writes a partial output
-and log-sum-exp; the last split of each (row, KV head) to finish (an atomic counter) merges
-the splits and adds the sinks to the denominator (TORCH_RUNNER_FUSED_MERGE=off: a second kernel
-does, with the same code and values). The split count depends on the batch shape and the table width only, never on a tensor value, so
+and log-sum-exp; a second kernel merges the splits and adds the sinks to the denominator. The
+split count depends on the batch shape and the table width only, never on a tensor value, so
 the launch is the same at every replay of a CUDA graph. Checked against the torch reference in
 tests/test_paged_attention.py (GPU-marked).
 """
@@ -16,32 +15,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.env import env_choice
 from ops.paged_attention import check_paged_args
 from ops.pdl import launch_args
 from ops.pdl_triton import pdl_enter
 
-ENV_MERGE = "TORCH_RUNNER_FUSED_MERGE"  # auto (default) | on | off
-MERGE_MODES = ("auto", "on", "off")
-MERGE_AUTO = True  # what auto means (docs/performance-log.md 2026-12-06 session 18)
-MAX_COUNTERS = 1 << 16  # (row, KV head) pairs the fused merge can count
-_counters: dict[torch.device, torch.Tensor] = {}
-_MERGE: list[bool] = []  # the switch, read on first use
 BLOCK_N = 64  # keys per inner tile
 TARGET_PROGRAMS = 264  # ~2 waves of the H200's 132 SMs
 MAX_SPLITS = 32
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, Tables, Lens, Acc, Lse, Sinks, Out, Count,
+def _partial_kernel(Q, K, V, Tables, Lens, Acc, Lse, Sinks, Out,
                     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_lens,
                     stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
                     sm_scale, window,
                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                    PRECISION: tl.constexpr, MERGE: tl.constexpr = False,
-                    SPLITS_PAD: tl.constexpr = 1, PDL: tl.constexpr = False):  # fmt: skip
+                    PRECISION: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     pdl_enter(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -100,42 +91,6 @@ def _partial_kernel(Q, K, V, Tables, Lens, Acc, Lse, Sinks, Out, Count,
         tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + sp * stride_as + d[None, :],
                  out, mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
         tl.store(Lse + b * stride_lb + heads * stride_lh + sp, lse, mask=g_ok)
-        if MERGE:  # the last split of (b, hk) to finish merges the G heads' splits
-            tl.debug_barrier()  # every thread's partials stored before the release below
-            counter = Count + b * tl.num_programs(1) + hk
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLITS - 1:
-                for gi in range(G):
-                    h = hk * G + gi
-                    _merge_head(Acc + b * stride_ab + h * stride_ah, Lse + b * stride_lb +
-                                h * stride_lh, Sinks + h, Out + b * stride_ob + h * stride_oh,
-                                stride_as, D, D_PAD, SPLITS, SPLITS_PAD, HAS_SINKS)  # fmt: skip
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # for the next call
-
-
-@triton.jit
-def _merge_head(acc, lse_ptr, sink_ptr, out, stride_as,
-                D: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
-                SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
-    """One (row, head): its SPLITS partial outputs and log-sum-exps, weighted, plus the sink in
-    the denominator, stored in Out's dtype (read past L1: other programs wrote them)."""
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, D_PAD)
-    s_ok = s < SPLITS
-    lse = tl.load(lse_ptr + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    if HAS_SINKS:
-        sink = tl.load(sink_ptr).to(tl.float32)
-        m = tl.maximum(m, sink)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)  # [SPLITS_PAD]; empty splits weigh 0
-    denom = tl.sum(w, 0)
-    if HAS_SINKS:
-        denom += tl.exp(sink - m)
-    part = tl.load(acc + s[:, None] * stride_as + d[None, :],
-                   mask=s_ok[:, None] & (d < D)[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-    merged = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out + d, merged.to(out.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -147,37 +102,29 @@ def _merge_kernel(Acc, Lse, Sinks, Out,
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    _merge_head(Acc + b * stride_ab + h * stride_ah, Lse + b * stride_lb + h * stride_lh,
-                Sinks + h, Out + b * stride_ob + h * stride_oh, stride_as,
-                D, D_PAD, SPLITS, SPLITS_PAD, HAS_SINKS)  # fmt: skip
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < SPLITS
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h).to(tl.float32)
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)  # [SPLITS_PAD]; empty splits weigh 0
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m)
+    acc = tl.load(Acc + b * stride_ab + h * stride_ah + s[:, None] * stride_as + d[None, :],
+                  mask=s_ok[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
 def num_splits(batch: int, num_kv_heads: int, max_keys: int) -> int:
     """Splits per (row, KV head): enough programs to fill the GPU, at most one per key tile."""
     want = triton.cdiv(TARGET_PROGRAMS, batch * num_kv_heads)
     return max(1, min(want, triton.cdiv(max_keys, BLOCK_N), MAX_SPLITS))
-
-
-def merge_in_partial() -> bool:
-    """ENV_MERGE: whether the split programs merge themselves (the last of a (row, KV head) to
-    finish, counted by an atomic, merges its G heads' splits: one kernel a layer fewer) or a
-    second kernel merges them (off). Read once."""
-    if not _MERGE:
-        mode = env_choice(ENV_MERGE, "auto", MERGE_MODES)
-        _MERGE.append(MERGE_AUTO if mode == "auto" else mode == "on")
-    return _MERGE[0]
-
-
-def _merge_counters(device: torch.device, pairs: int) -> torch.Tensor | None:
-    """The device's arrival counters (zeroed once; the last program resets its own), or None
-    where the fused merge does not apply: switched off, more pairs than counters, or inside a
-    graph capture before any eager call made them (capture memory is the graph's)."""
-    if not merge_in_partial() or pairs > MAX_COUNTERS:
-        return None
-    found = _counters.get(device)
-    if found is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        found = _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return found
 
 
 def paged_decode_attention(
@@ -208,18 +155,16 @@ def paged_decode_attention(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     d_pad = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    counters = _merge_counters(q.device, b * hkv) if splits > 1 else None
     _partial_kernel[(b, hkv, splits)](
         q, k_pool, v_pool, block_tables, kv_lens, acc, lse, sinks if sinks is not None else lse,
-        out, counters if counters is not None else lse, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0),
+        out, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0),
         kv_lens.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0),
         lse.stride(1), out.stride(0), out.stride(1), sm_scale, window or 0,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, D_PAD=max(16, d_pad),
         PAGE=block_size, BLOCK=BLOCK_N, SPLITS=splits, HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, PRECISION=precision, MERGE=counters is not None,
-        SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4, **launch_args(q.device),
+        HAS_SINKS=sinks is not None, PRECISION=precision, num_warps=4, **launch_args(q.device),
     )  # fmt: skip
-    if splits == 1 or counters is not None:  # the first kernel wrote the output
+    if splits == 1:  # the first kernel wrote the output
         return out
     _merge_kernel[(b, hq)](
         acc, lse, sinks if sinks is not None else lse, out,

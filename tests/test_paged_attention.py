@@ -4,11 +4,8 @@ Oracle: ops.attention (masked SDPA) over keys gathered into a contiguous buffer,
 paged op replaces. On CUDA the Triton kernel must equal the torch reference (GPU-marked).
 """
 
-import importlib.util
-
 import pytest
 import torch
-from triton_interpreter import assert_interpreter_ok
 
 from ops.attention import KeyLayout, attention
 from ops.paged_attention import impl_for, paged_decode_attention
@@ -110,72 +107,3 @@ def test_triton_kernel_equals_the_reference(dtype, window, with_sinks, shape):
         from ops.paged_attention_triton import num_splits
 
         assert num_splits(b, hkv, tables.shape[1] * 16) == 1
-
-
-MERGE_CHECK = """
-import torch
-from test_paged_attention import _case
-from ops import paged_attention_triton as pat
-from ops.paged_attention import paged_decode_attention as reference
-empty = torch.empty
-def poisoned(*args, **kwargs):  # the kernel's scratch and output start as NaN, not old values
-    out = empty(*args, **kwargs)
-    return out.fill_(float("nan")) if out.is_floating_point() else out
-torch.empty = poisoned
-cases = [(1, 8, 2, 16, [200], None, True), (3, 6, 3, 32, [70, 1, 0], 40, True),
-         (2, 4, 4, 16, [129, 64], None, False)]
-for b, hq, hkv, d, lens, window, with_sinks in cases:
-    q, kp, vp, tables, kv_lens, sinks = _case(b, hq, hkv, d, 16, lens, seed=b)  # fp32: the
-    args = dict(block_size=16, sm_scale=d**-0.5, sinks=sinks if with_sinks else None, window=window)
-    assert pat.num_splits(b, hkv, tables.shape[1] * 16) > 1
-    got = {}
-    for merge in (True, False):
-        pat._MERGE[:] = [merge]
-        got[merge] = pat.paged_decode_attention(q, kp, vp, tables, kv_lens, **args)
-    assert torch.equal(got[True], got[False]), (b, (got[True].float() - got[False].float()).abs().max())
-    want = reference(q, kp, vp, tables, kv_lens, **args)  # interpreter's tl.dot garbles bf16
-    torch.testing.assert_close(got[True], want, rtol=1e-5, atol=1e-5)
-assert not pat._counters[torch.device("cpu")].any()  # each last program reset its counter
-print("ok")
-"""
-
-
-@pytest.mark.skipif(
-    torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
-    reason="CPU interpreter check (with CUDA the kernel runs for real)",
-)
-def test_last_split_merges_as_the_merge_kernel_does_in_the_interpreter():
-    """The fused merge (the last split of a (row, KV head) to finish merges the G heads) gives
-    the merge kernel's values bit for bit, and the torch reference's (fp32) within 1e-5; the
-    arrival counters are left at zero for the next call."""
-    assert_interpreter_ok(MERGE_CHECK)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("with_sinks", [False, True])
-@pytest.mark.parametrize("shape", [(1, 32, 8, 64, [300], None), (1, 64, 8, 64, [3000], 128),
-                                   (4, 32, 8, 128, [1, 17, 1000, 0], None)])  # fmt: skip
-def test_cuda_fused_merge_equals_the_merge_kernel(shape, with_sinks, monkeypatch):
-    """On the GPU, eager and in a CUDA graph replayed twice: the last split's merge equals the
-    merge kernel bit for bit (the same code), and the counters are back at zero."""
-    from ops import paged_attention_triton as pat
-
-    b, hq, hkv, d, lens, window = shape
-    q, kp, vp, tables, kv_lens, sinks = _case(b, hq, hkv, d, 16, lens, dtype=torch.bfloat16,
-                                              device="cuda", seed=b)  # fmt: skip
-    args = dict(block_size=16, sm_scale=d**-0.5, sinks=sinks if with_sinks else None, window=window)
-    assert pat.num_splits(b, hkv, tables.shape[1] * 16) > 1
-    monkeypatch.setattr(pat, "_MERGE", [False])
-    want = pat.paged_decode_attention(q, kp, vp, tables, kv_lens, **args)
-    monkeypatch.setattr(pat, "_MERGE", [True])
-    assert torch.equal(pat.paged_decode_attention(q, kp, vp, tables, kv_lens, **args), want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = pat.paged_decode_attention(q, kp, vp, tables, kv_lens, **args)
-    for _ in range(2):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-    assert not pat._counters[q.device].any()
