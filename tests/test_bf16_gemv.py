@@ -138,14 +138,16 @@ def test_one_row_route_takes_only_row_major_bf16_weights_the_mode_routes(monkeyp
 LLAMA_SHAPES = [(3072, 2048), (2048, 2048), (512, 2048), (8192, 2048), (16384, 2048),
                 (2048, 8192), (128256, 2048), (6144, 4096), (4096, 4096), (1024, 4096),
                 (14336, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]  # fmt: skip
+GPT_OSS_SHAPES = [(5120, 2880), (2880, 4096), (32, 2880), (201088, 2880)]  # K = 2880: masked
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
 @pytest.mark.gpu
 @cuda_only
-@pytest.mark.parametrize("n,k", LLAMA_SHAPES)
-def test_cuda_bf16_gemv_equals_f_linear_at_the_llama_shapes(n, k):
-    """The rule's tile, the table's and a 4-way split at every 1B / 8B projection: as close to
+@pytest.mark.parametrize("n,k", LLAMA_SHAPES + GPT_OSS_SHAPES)
+def test_cuda_bf16_gemv_equals_f_linear_at_the_decode_shapes(n, k):
+    """The table's tile (else the rule's) and a 4-way split at every 1B / 8B / gpt-oss-20b dense
+    projection (a split that does not divide K runs unsplit): as close to
     the fp32 product as cuBLAS (one bf16 rounding each), with and without a bias."""
     from ops.quant.gemv_triton import gemv
 

@@ -56,6 +56,9 @@ def write(args) -> None:
     GptOssConfig(**geometry).save_pretrained(out)
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = QUANT_CONFIG
+    # what the real checkpoint says (llama.cpp's convert_hf_to_gguf.py needs `architectures`)
+    config |= dict(architectures=["GptOssForCausalLM"], bos_token_id=199998, eos_token_id=200002,
+                   pad_token_id=199999)  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=1))
     vocab = {f"t{i}": i for i in range(geometry["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
