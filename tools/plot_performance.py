@@ -28,17 +28,19 @@ CPU = {
 }
 
 # One NVIDIA H200, bf16 random weights, prompt 128 + 128 generated, decode tok/s
-# (docs/performance.md, H200 table: tools/bench_cuda_decode.py). Ours: 1B / 8B batch 1 and 1B
-# batch 1 with llama.cpp's llama-bench tg128 in the same call (2026-12-03 16:50-16:57), 1B batch 64
-# from 2026-12-03 13:39, the rest from 2026-12-02; llama.cpp 1B b64 from the 2026-12-02 09:00 call,
-# 8B b64 and gpt-oss from an earlier session; HF from 2026-12-01.
+# (docs/performance.md, H200 table: tools/bench_cuda_decode.py; gpt-oss prompt 32 + 64). Ours:
+# 1B / 8B batch 1 and gpt-oss from 2026-12-06 ~22:00 (session 20, one H200 call), 1B batch 64 from
+# 2026-12-03 13:39, 8B batch 64 from 2026-12-02; llama.cpp 1B / 8B batch 1 in the same call as
+# ours' 1,027.0 / 237.9 (2026-12-03 16:50-16:57), 1B b64 from the 2026-12-02 09:00 call, 8B b64 and
+# gpt-oss from an earlier session (gpt-oss side by side on an H100, 12-06: ours 1.45x / 1.88x);
+# HF from 2026-12-01.
 H200 = {
-    "Llama-3.2-1B b1": {"roofline": 1715, "torch_runner": 1027.0, "llama.cpp": 759.7, "HF": 108},
+    "Llama-3.2-1B b1": {"roofline": 1715, "torch_runner": 1116.9, "llama.cpp": 759.7, "HF": 108},
     "Llama-3.2-1B b64": {"roofline": 94632, "torch_runner": 47710, "llama.cpp": 17758, "HF": 5277},
-    "Llama-3.1-8B b1": {"roofline": 283, "torch_runner": 237.9, "llama.cpp": 207.9, "HF": 48},
+    "Llama-3.1-8B b1": {"roofline": 283, "torch_runner": 249.0, "llama.cpp": 207.9, "HF": 48},
     "Llama-3.1-8B b64": {"roofline": 16365, "torch_runner": 11641, "llama.cpp": 4734, "HF": 3057},
-    "gpt-oss-20b b1": {"roofline": 1133, "torch_runner": 408, "llama.cpp": 294, "HF": 0},
-    "gpt-oss-20b b64": {"roofline": 21586, "torch_runner": 4749, "llama.cpp": 2427, "HF": 0},
+    "gpt-oss-20b b1": {"roofline": 1145, "torch_runner": 473.8, "llama.cpp": 294, "HF": 0},
+    "gpt-oss-20b b64": {"roofline": 21246, "torch_runner": 4838.6, "llama.cpp": 2427, "HF": 0},
 }
 
 # One NVIDIA H200, streaming HTTP serving (docs/performance.md, "Serving on the H200";
