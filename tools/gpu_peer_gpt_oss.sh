@@ -15,12 +15,19 @@
 #     save_harmony_tokenizer as s; s(Path('/tmp/harmony'))"   # the real o200k_harmony (quicktok-v1)
 #   tar cJf $PEER/tok.tar.xz -C /tmp/harmony tokenizer.json tokenizer_config.json   # ~3 MB
 # Then: run `PEER=.gpu/peer bash tools/gpu_peer_gpt_oss.sh` on the device with carry [".gpu"].
+# GPU_TESTS=1 also runs the whole `pytest -m gpu` suite (tools/gpu_tests.sh, ~270 s alone on an H100)
+# while llama.cpp builds, and waits for it before any benchmark; its tail goes to $OUT/gpu_tests.log
+# and to the output.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; PEER=${PEER:-.gpu/peer}; W=/tmp/peer; mkdir -p "$OUT" "$W"; T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 LC=$W/llama.cpp
+if [ "${GPU_TESTS:-0}" = 1 ]; then  # the GPU suite beside the build; done before the benchmarks
+  (PART=1 PARTS=1 TIMEOUT=${TESTS_TIMEOUT:-380} TAIL=8 bash tools/gpu_tests.sh > $OUT/gpu_tests.log 2>&1) &
+  TESTS=$!
+fi
 if [ ! -x $LC/build/bin/llama-bench ]; then  # a warm machine keeps the build and the GGUF
   tar xJf $PEER/llama.cpp.tar.xz -C $W
   (cd $LC && timeout 420 bash -c "cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
@@ -28,12 +35,14 @@ if [ ! -x $LC/build/bin/llama-bench ]; then  # a warm machine keeps the build an
     -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null && \
     cmake --build build -j15 --target llama-bench llama-batched-bench" > $W/build.log 2>&1; \
     echo "build rc=$?" >> $W/build.log) &
+  BUILD=$!
   timeout 200 python3 tools/bench_mxfp4.py write $W/oss20b --layers 24 --weights 2>&1 | tail -1
   rm -f $W/oss20b/tokenizer* $W/oss20b/special*; tar xJf $PEER/tok.tar.xz -C $W/oss20b
   PYTHONPATH=$LC/gguf-py:$LC timeout 300 python3 $LC/convert_hf_to_gguf.py $W/oss20b --outtype bf16 \
     --outfile $W/oss20b.gguf > $W/convert.log 2>&1; echo "convert rc=$? at $(el)s"
-  wait; tail -1 $W/build.log; echo "built at $(el)s"
+  wait $BUILD; tail -1 $W/build.log; echo "built at $(el)s"
 fi
+if [ -n "${TESTS:-}" ]; then wait $TESTS; tail -3 $OUT/gpu_tests.log; echo "tests done at $(el)s"; fi
 B=$LC/build/bin; G=$W/oss20b.gguf
 LB="timeout 90 $B/llama-batched-bench -m $G -ngl 99 -fa on -c 8192 -npp 32 -ntg 64 -npl 1,64"
 $LB > $OUT/llama_batched_1.log 2>&1; grep -E "^\|" $OUT/llama_batched_1.log | tail -3
