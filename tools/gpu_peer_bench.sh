@@ -11,11 +11,7 @@ log() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$OUT/steps.log"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site whl/*.whl ../.whl/*.whl
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 tar xJf llama.cpp.tar.xz -C "$W"; LC=$W/llama.cpp
-(cd "$LC" && timeout 430 bash -c "cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null && \
-  cmake --build build -j14 --target llama-bench llama-server llama-batched-bench" \
-  >"$W/build.log" 2>&1; echo "build rc=$?" >>"$W/build.log") &
+bash tools/build_llama_cuda.sh "$LC" "$W/build.log" 430 llama-bench llama-server llama-batched-bench &
 BUILD=$!
 log "build started; writing the checkpoint"
 M=$W/llama1b; mkdir -p "$M"; tar xJf tok.tar.xz -C "$M"

@@ -3,7 +3,7 @@
 # while a gpt-oss-20b geometry with random MXFP4 experts is written (tools/bench_mxfp4.py write) and
 # converted by llama.cpp's convert_hf_to_gguf.py (experts stay MXFP4: a 12.83 GiB GGUF); then
 # llama-batched-bench / ours (tools/bench_cuda_decode.py) / llama-batched-bench / llama-bench, batch
-# 1 and 64, prompt 32 + 64 generated. ~310 s on an H100 (the build is ~260 s of it).
+# 1 and 64, prompt 32 + 64 generated. 250-310 s on an H100 (the build is ~200-260 s of it).
 #
 # Prepare the carried folder here (PEER, default .gpu/peer; keep it out of git):
 #   pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/peer
@@ -30,11 +30,7 @@ if [ "${GPU_TESTS:-0}" = 1 ]; then  # the GPU suite beside the build; done befor
 fi
 if [ ! -x $LC/build/bin/llama-bench ]; then  # a warm machine keeps the build and the GGUF
   tar xJf $PEER/llama.cpp.tar.xz -C $W
-  (cd $LC && timeout 420 bash -c "cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null && \
-    cmake --build build -j15 --target llama-bench llama-batched-bench" > $W/build.log 2>&1; \
-    echo "build rc=$?" >> $W/build.log) &
+  bash tools/build_llama_cuda.sh $LC $W/build.log 420 llama-bench llama-batched-bench &
   BUILD=$!
   timeout 200 python3 tools/bench_mxfp4.py write $W/oss20b --layers 24 --weights 2>&1 | tail -1
   rm -f $W/oss20b/tokenizer* $W/oss20b/special*; tar xJf $PEER/tok.tar.xz -C $W/oss20b
