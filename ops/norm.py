@@ -87,7 +87,8 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     Measured 5.7% faster per decode token of the default model than `F.rms_norm`, whose CPU
     kernel is a composite of ~10 ops, and a Python float costs every op a scalar conversion.
     """
-    size, eps_t = _norm_constants(x.shape[-1], eps)
+    constants = _norm_constants.__wrapped__ if torch.compiler.is_compiling() else _norm_constants
+    size, eps_t = constants(x.shape[-1], eps)  # traced, the cache would only be stepped over
     scale = (x * x).sum(-1, keepdim=True).div_(size).add_(eps_t).rsqrt_()  # [..., 1]
     out = x * scale
     return out if weight is None else out.mul_(weight)
