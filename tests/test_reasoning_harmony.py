@@ -136,6 +136,36 @@ def test_stream_equals_parse_at_every_token_split(harmony_encoding, case):
     assert [(p.index, p.arguments) for p in firsts] == [(i, "") for i in range(len(want[2]))]
 
 
+def harmony_fields(encoding, ids):
+    """openai-harmony's own StreamableParser over a (possibly cut) output, read as vLLM does:
+    the ended messages, plus the open one's body once its `<|message|>` came; a header still
+    open is nothing."""
+    parser = harmony.StreamableParser(encoding, ASSISTANT)
+    for token_id in ids:
+        parser.process(token_id)
+    messages = [(m.channel, m.recipient, m.content[0].text) for m in parser.messages]
+    if parser.state == harmony.StreamState.CONTENT:
+        messages.append((parser.current_channel, parser.current_recipient, parser.current_content))
+    reasoning = "".join(t for c, r, t in messages if c == "analysis")
+    content = "".join(t for c, r, t in messages if c != "analysis" and not r)
+    calls = [(r.removeprefix("functions."), t) for c, r, t in messages if r]
+    return reasoning or None, content or None, calls
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_output_cut_anywhere_shows_no_header_words(harmony_encoding, case):
+    """max_tokens may end the output inside a header (`<|start|>assistant<|channel|>final`):
+    those words are protocol, never content. Every cut equals harmony's own parse."""
+    ids = generated(harmony_encoding, *CASES[case])
+    for cut in range(len(ids) + 1):
+        parser = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
+        parsed = stream(parser, [[t] for t in ids[:cut]])
+        calls = [(c.name, c.arguments) for c in parsed.tool_calls]
+        want = harmony_fields(harmony_encoding, ids[:cut])
+        assert (parsed.reasoning_content, parsed.content, calls) == want, cut
+        assert "content" not in parser.token_fields or parsed.content, cut
+
+
 def test_other_special_tokens_carry_no_text(harmony_encoding):
     """An end-of-text token after an answer (a grammar or EOS ending it) is not content."""
     ids = generated(harmony_encoding, [analysis(REASONING), final(ANSWER)], "<|end|>")
@@ -160,6 +190,12 @@ def test_output_that_is_not_harmony_is_kept_as_content(harmony_encoding):
     ids = harmony_encoding.encode(text)
     parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse("", ids)
     assert (parsed.reasoning_content, parsed.content) == (None, text)
+    for plain in ("tomorrow it rains", " totally plain"):  # begins like " to=", is not one
+        plain_ids = harmony_encoding.encode(plain)
+        parsed = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding).parse(
+            "", plain_ids
+        )
+        assert (parsed.reasoning_content, parsed.content) == (None, plain)
     # It streams as it comes (no header to wait for), not all at the end.
     parser = new_reasoning_parser("openai_gptoss", harmony_encoding=harmony_encoding)
     assert parser.feed("", ids[:3]).content == harmony_encoding.decode(ids[:3])

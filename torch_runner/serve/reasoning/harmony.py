@@ -6,8 +6,11 @@ openai-harmony's `StreamableParser` reads the generated ids (the prompt ends in
 content; `commentary` addressed `to=functions.NAME` -> a tool call whose arguments are the
 message body; any other recipient (built-in tools this server does not run) -> reasoning_content.
 Output that is not harmony (a random or badly tuned model, a grammar's JSON) is never dropped:
-output that does not open with a header, a header that never reaches `<|message|>`, and
-everything from a token the parser rejects on, becomes content (special tokens left out).
+output that does not open with a header, a header that is not harmony's (plain text that began
+like a ` to=` recipient), and everything from a token the parser rejects on, becomes content
+(special tokens left out). A harmony header cut short (max_tokens ending the output between
+`<|start|>` or `<|channel|>` and `<|message|>`) is protocol, not text: it is dropped, as vLLM
+does, so no `assistant` / `final` / `analysis` word ever reaches content.
 
 `stop` strings: the engine finds them in its detokenized text but the fields come from tokens,
 so the parser cuts each message body (and the plain-text fallback) at the first stop string
@@ -85,8 +88,8 @@ class HarmonyParser:
     def finish(self) -> DeltaMessage:
         delta = DeltaMessage()
         self._release(delta, is_final=True)  # a message cut off by max_tokens
-        if self.raw_ids is None and self.header_ids:
-            self.raw_ids = self.header_ids  # a header that never opened a message: show it
+        if self.raw_ids is None and self.header_ids and not self._is_cut_header():
+            self.raw_ids = self.header_ids  # a header that was never harmony's: show it
             self._relabel_header(len(self.header_ids))
         self._send_raw(delta, is_final=True)
         return delta
@@ -154,6 +157,14 @@ class HarmonyParser:
         for i in range(len(self.token_fields) - num_ids, len(self.token_fields)):
             if not self.encoding.is_special_token(self.fed_ids[i]):
                 self.token_fields[i] = "content"
+
+    def _is_cut_header(self) -> bool:
+        """The open header is harmony's, cut short: a message came before it, or it opens with
+        a structure token (`<|channel|>`) or a ` to=` recipient (not plain text like "tomorrow")."""
+        if self.parser.messages or self.header_ids[0] in self.structure_ids:
+            return True
+        head = self.encoding.decode(self.header_ids).lstrip()
+        return head.startswith("to=") or "to=".startswith(head)
 
     def _can_open_output(self, token_id: int) -> bool:
         """After `<|start|>assistant` comes `<|channel|>`, or a ` to=` recipient before it."""
