@@ -216,10 +216,12 @@ def _device_time_us(events) -> float:
 
 
 def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 20,
-                  table: bool = True, host: bool = False) -> float:  # fmt: skip
+                  table: bool = True, host: bool = False, kernel_trace: str = "") -> float:  # fmt: skip
     """torch.profiler table of `steps` pure decode steps at `batch` (after a warm-up); returns
     the GPU busy ms per step. `host`: then a cProfile of as many more steps (host time per
-    function; time in `synchronize` is the host waiting for the GPU)."""
+    function; time in `synchronize` is the host waiting for the GPU). `kernel_trace`: a JSON
+    file of every device kernel of those steps in start order, [name, start us, duration us]
+    (for per-position times offline: the GEMVs of one layer share a kernel name)."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(2)
@@ -240,6 +242,8 @@ def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps
         host_profile(engine, steps)
     while engine.has_unfinished():
         engine.step()
+    if kernel_trace:
+        write_kernel_trace(prof, kernel_trace, steps)
     events = prof.key_averages()
     gpu_us = _device_time_us(events) / steps
     cuda = torch.autograd.DeviceType.CUDA
@@ -252,6 +256,14 @@ def profile_steps(engine: Engine, batch: int, prompt_len: int, vocab: int, steps
     if table:
         print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
     return gpu_us / 1e3
+
+
+def write_kernel_trace(prof, path: str, steps: int) -> None:
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = sorted((e.time_range.start, e.time_range.end - e.time_range.start, e.name)
+                     for e in prof.events() if e.device_type == cuda)  # fmt: skip
+    rows = [[name, round(start, 3), round(dur, 3)] for start, dur, name in kernels]
+    Path(path).write_text(json.dumps(dict(steps=steps, kernels=rows)))
 
 
 def host_profile(engine: Engine, steps: int) -> None:
@@ -334,6 +346,9 @@ def main() -> None:
                         help="freeze the start-up heap after loading, as the server does")  # fmt: skip
     parser.add_argument("--host-profile", action="store_true",
                         help="with --profile-batch: also cProfile the host per step")  # fmt: skip
+    parser.add_argument("--kernel-trace", default="",
+                        help="with --profile-batch: write the profiled kernels here (JSON; the "
+                        "batch and mode are added to the name)")  # fmt: skip
     parser.add_argument("--profile-new-length", type=int, default=0,
                         help="profile a never-seen prefill length, then a repeat (0: off)")  # fmt: skip
     args = parser.parse_args()
@@ -428,8 +443,9 @@ def main() -> None:
     profile_batches = [int(b) for b in args.profile_batch.split(",") if b]
     for batch, mode in [(b, m) for b in profile_batches for m in modes]:
         engine.is_overlapped = mode
+        trace_path = args.kernel_trace and f"{args.kernel_trace}.b{batch}.{int(mode)}.json"
         busy = profile_steps(engine, batch, args.prompt_len, vocab, table=len(modes) == 1,
-                             host=args.host_profile)  # fmt: skip
+                             host=args.host_profile, kernel_trace=trace_path)  # fmt: skip
         step = step_ms.get((batch, mode))
         print(json.dumps(dict(label=args.label, geometry=args.geometry, profile_batch=batch,
                               async_scheduling=mode, gpu_busy_ms=round(busy, 3),
