@@ -16,15 +16,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
 
-# 2026-12-04 20:55 UTC, 2-core Intel Xeon (AVX-512 BF16 / VNNI), SmolLM2-135M batch-1 decode
-# tok/s, medians of interleaved rounds (docs/performance.md, CPU table; bf16 models for int8/int4;
-# tools/bench_cpu_vs_llamacpp.py, llama-cpp-python 0.3.36 built here, 2 threads).
+# 2026-12-07, 2-core Intel Xeon (AVX-512 BF16 / VNNI, AMX), SmolLM2-135M batch-1 decode tok/s,
+# medians of interleaved rounds, the mean of the two runs in opposite orders (docs/performance.md,
+# CPU table; bf16 models for int8/int4; tools/bench_cpu_vs_llamacpp.py, llama-cpp-python 0.3.36
+# built here, 2 threads).
 CPU = {
-    "fp32": {"torch_runner": 43.9, "llama.cpp": 36.2},
-    "bf16": {"torch_runner": 69.4, "llama.cpp": 50.6},
-    "int8 / q8_0": {"torch_runner": 102.9, "llama.cpp": 67.6},
-    "int4 / Q4_1": {"torch_runner": 154.6, "llama.cpp": 90.8},
-    "default GGUF / Q4_1": {"torch_runner": 138.8, "llama.cpp": 88.2},
+    "fp32": {"torch_runner": 45.3, "llama.cpp": 40.35},
+    "bf16": {"torch_runner": 70.9, "llama.cpp": 56.2},
+    "int8 / q8_0": {"torch_runner": 110.65, "llama.cpp": 69.85},
+    "int4 / Q4_1": {"torch_runner": 133.5, "llama.cpp": 83.95},
+    "default GGUF / Q4_1": {"torch_runner": 125.65, "llama.cpp": 86.1},
 }
 
 # One NVIDIA H200, bf16 random weights, prompt 128 + 128 generated, decode tok/s
@@ -32,7 +33,7 @@ CPU = {
 # 1B / 8B batch 1 and gpt-oss from 2026-12-06 ~22:00 (session 20, one H200 call), 1B batch 64 from
 # 2026-12-03 13:39, 8B batch 64 from 2026-12-02; llama.cpp 1B / 8B batch 1 in the same call as
 # ours' 1,027.0 / 237.9 (2026-12-03 16:50-16:57), 1B b64 from the 2026-12-02 09:00 call, 8B b64 and
-# gpt-oss from an earlier session (gpt-oss side by side on an H100, 12-06: ours 1.45x / 1.88x);
+# gpt-oss from an earlier session (gpt-oss side by side on an H100, 12-07: ours 1.49x / 1.93x);
 # HF from 2026-12-01.
 H200 = {
     "Llama-3.2-1B b1": {"roofline": 1715, "torch_runner": 1116.9, "llama.cpp": 759.7, "HF": 108},
