@@ -34,3 +34,5 @@ def test_positions_busy_and_tail_per_step():
     assert s["positions"] == {"0": (4.0, 2), "1": (3.0, 2), "2": (9.0, 2), "3": (6.0, 2),
                               "tail": (40.0, 1)}  # fmt: skip
     assert abs(s["by_name"]["attn"] - 2.0 * layers) < 1e-9
+    derived = _load_tool().summarize(dict(steps=steps, kernels=kernels), "gemv", 4)
+    assert derived["positions"] == s["positions"]  # layers from the matches per step

@@ -18,8 +18,9 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def summarize(trace: dict, match: str, per_layer: int, layers: int) -> dict:
-    """Per-step means: busy / idle us, us by kernel name, us and count by GEMV position."""
+def summarize(trace: dict, match: str, per_layer: int, layers: int = 0) -> dict:
+    """Per-step means: busy / idle us, us by kernel name, us and count by GEMV position
+    (layers 0: the matches per step // per_layer)."""
     kernels, steps = trace["kernels"], trace["steps"]
     busy = sum(dur for _, _, dur in kernels) / steps
     span = kernels[-1][1] + kernels[-1][2] - kernels[0][1] if kernels else 0.0
@@ -28,6 +29,7 @@ def summarize(trace: dict, match: str, per_layer: int, layers: int) -> dict:
         by_name[name[:70]] += dur / steps
     hits = [dur for name, _, dur in kernels if match in name]
     per_step = len(hits) // steps if steps else 0
+    layers = layers or per_step // per_layer
     positions: dict[str, list[float]] = defaultdict(list)
     for i, dur in enumerate(hits[: per_step * steps]):
         k = i % per_step
@@ -50,10 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(b) for b in args.bytes.split(",") if b]
     for path in args.traces:
-        trace = json.loads(Path(path).read_text())
-        hits = sum(args.match in k[0] for k in trace["kernels"]) // trace["steps"]
-        layers = args.layers or hits // args.per_layer
-        s = summarize(trace, args.match, args.per_layer, layers)
+        s = summarize(json.loads(Path(path).read_text()), args.match, args.per_layer, args.layers)
         print(f"{path}: busy {s['busy_us']:.1f} us/step over a span of {s['span_us']:.1f}, "
               f"{s['kernels_per_step']:.0f} kernels, {s['matches_per_step']} '{args.match}'")  # fmt: skip
         gemv_total = 0.0
