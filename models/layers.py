@@ -43,13 +43,38 @@ class Rotary(nn.Module):
         with torch.device("cpu"):
             inv_freq, self.attention_scaling = ops.rope_init(args, layer_type)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D_rot / 2] fp32
+        # `covering` > 0: every position of the coming forwards is below it (the static decode
+        # sets it to its key bucket, cuda_graphs.py), so `at` gathers rows of a table built
+        # once instead of computing them. Every table stays referenced: a captured graph reads
+        # the one that existed at its capture
+        self.covering = 0
+        self._tables: list[torch.Tensor] = []  # [P, 2, D_rot] (cos, signed sin), growing P
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
         """The rotation at this forward's positions [B, N], built once for every layer."""
         if ops.backends()["apply_rope"] != "torch":  # a routed op keeps its per-layer call
             return RopeAt(self, positions, None, None)
+        table = self._table(positions.device, dtype) if self.covering else None
+        if table is not None:  # one gather instead of the ~12 small kernels of rope_tables
+            rows = table[positions]  # [B, N, 2, D_rot]
+            return RopeAt(self, positions, rows[:, :, 0:1], rows[:, :, 1:2])
         cos, sin = rope_tables(positions, self.inv_freq, self.attention_scaling, dtype)
         return RopeAt(self, positions, cos, sin)
+
+    def _table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """`rope_tables` of positions [0, P >= covering) on device: the same values (each is
+        an elementwise function of its position), built outside a CUDA graph capture only."""
+        held = self._tables[-1] if self._tables else None
+        fits = held is not None and held.shape[0] >= self.covering
+        if fits and held.device == device and held.dtype == dtype:
+            return held
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        count = max(self.covering, 0 if held is None else 2 * held.shape[0])
+        positions = torch.arange(count, device=device)[None]  # [1, P]
+        cos, sin = rope_tables(positions, self.inv_freq, self.attention_scaling, dtype)
+        self._tables.append(torch.cat([cos, sin], dim=2)[0])  # [P, 2, D_rot]
+        return self._tables[-1]
 
 
 class RopeAt:

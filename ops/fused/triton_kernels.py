@@ -210,6 +210,29 @@ def rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, slots, num_q_heads: int)
     return q
 
 
+@triton.jit
+def _resolve_kernel(Ids, Future, stride_ids, rows, futures, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(PDL)
+    i = tl.arange(0, BLOCK)
+    ok = i < rows
+    ids = tl.load(Ids + i * stride_ids, mask=ok, other=0)
+    row = -ids - 1  # a placeholder -(r + 1) stands for Future[r]
+    held = ok & (ids < 0) & (row < futures)
+    picked = tl.load(Future + row, mask=held, other=0).to(ids.dtype)
+    tl.store(Ids + i * stride_ids, picked, mask=held)
+
+
+def resolve_placeholders_(ids: torch.Tensor, future: torch.Tensor) -> None:
+    """In place: every placeholder -(r + 1) of the int ids [B] (any stride) becomes future[r]
+    (torch_runner/runner/launched.py); one program, no host sync."""
+    rows, future = ids.shape[0], future.reshape(-1)
+    _resolve_kernel[(1,)](
+        ids, future, ids.stride(0), rows, future.numel(),
+        BLOCK=max(16, triton.next_power_of_2(rows)), num_warps=1, **launch_args(ids.device),
+    )  # fmt: skip
+
+
 GREEDY_CHUNK = 4096  # logits per program of the greedy pick's first pass
 _FLOAT_MAX = tl.constexpr(3.4028234663852886e38)  # torch.finfo(torch.float32).max (a constexpr:
 # kernels read only constexpr globals)

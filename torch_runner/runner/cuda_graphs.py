@@ -34,17 +34,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from weakref import WeakKeyDictionary
 
 import numpy as np
 import torch
 
-from models.layers import GatedMLP
+from models.layers import GatedMLP, Rotary
 from ops.moe import is_capturable
 from ops.paged_attention import impl_for as paged_impl_for
 from ops.rope import rope_kv_write
 from torch_runner.kv.caches import PagedKVPool, decode_from_pool
 from torch_runner.runner.graph_head import GraphHead, HeadInputs, run_head
-from torch_runner.runner.launched import resolve_placeholders
+from torch_runner.runner.launched import resolve_placeholders_
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,19 @@ def static_decode(model, pool: PagedKVPool, full_layers, num_layers: int, inputs
     caches: list = [None] * num_layers
     for index, layer in enumerate(full_layers):
         caches[layer] = StaticPagedView(pool, index, write_slots, tables, kv_lens)
-    return model(input_ids, positions, caches)
+    rotaries = _rotaries.get(model)
+    if rotaries is None:
+        rotaries = _rotaries[model] = [m for m in model.modules() if isinstance(m, Rotary)]
+    for rotary in rotaries:  # every position is below num_keys: gather the rope rows
+        rotary.covering = num_keys
+    try:
+        return model(input_ids, positions, caches)
+    finally:
+        for rotary in rotaries:
+            rotary.covering = 0
+
+
+_rotaries: WeakKeyDictionary = WeakKeyDictionary()  # model -> its Rotary modules
 
 
 def static_head(model, pool, full_layers, num_layers: int, inputs, num_keys: int,
@@ -196,14 +209,14 @@ class DecodeGraphs:
         if not self.capture:
             inputs = host.to(self.device, non_blocking=True)
             if future is not None:
-                inputs[:, 0] = resolve_placeholders(inputs[:, 0], future)
+                resolve_placeholders_(inputs[:, 0], future)
             head_inputs = self._head_inputs(head, rows, batch)
             return _rows(self._run(inputs, num_keys, head, head_inputs), b)
         key = (rows, num_keys, head)
         graph, inputs, head_inputs, out = self.graphs.get(key) or self._capture(*key)
         inputs.copy_(host, non_blocking=True)
         if future is not None:  # chained rows: their input token is on the device already
-            inputs[:, 0] = resolve_placeholders(inputs[:, 0], future)
+            resolve_placeholders_(inputs[:, 0], future)
         if head_inputs is not None:
             head_inputs.load(batch)
         graph.replay()

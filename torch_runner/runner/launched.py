@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ops.fused import kernels_for
+
 NON_FINITE_TOKEN = -1  # StepResult token id of a row whose logits were not all finite
 
 
@@ -38,6 +40,16 @@ def resolve_placeholders(ids: torch.Tensor, future: torch.Tensor) -> torch.Tenso
     """`ids` with every placeholder -(i + 1) replaced by `future[i]`, on the device (no sync)."""
     rows = (-ids - 1).clamp_(min=0)  # real ids index row 0, which `where` then ignores
     return torch.where(ids < 0, future[rows], ids)
+
+
+def resolve_placeholders_(ids: torch.Tensor, future: torch.Tensor) -> None:
+    """`resolve_placeholders` in place on a column of a graph's input buffer: on CUDA one
+    Triton kernel (ops/fused) where the torch ops were six kernels and a copy a step."""
+    kernels = kernels_for(ids)
+    if kernels is not None:
+        kernels.resolve_placeholders_(ids, future)
+    else:
+        ids.copy_(resolve_placeholders(ids, future))
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
