@@ -7,7 +7,7 @@ kernel boundary costs ~2 us on an H100/H200 (launch, ramp, tail): ~6 us a layer,
 a step. Here program (row b, KV head hk, split sp) of one grid does it all:
 
 - it rotates its G = Hq / Hkv query heads itself from the unrotated qkv, with the arithmetic of
-  `_rope_kv_kernel` (`rope_values`; no FMA contraction in fp32), so q is the same bits;
+  `_rope_kv_kernel` (`rope_values`, no FMA: enable_fp_fusion=False), so q is the same bits;
 - the split holding the row's newest key (position L - 1) rotates k of head hk, writes k and v
   to the pool at the row's write slot (the values `_rope_kv_kernel` writes), then syncs its
   threads (`tl.debug_barrier`) before its key loop reads the pool; only that split reads that
@@ -23,7 +23,7 @@ kernel, so a CUDA graph replays it; calls on one device must be stream-ordered (
 steps are), never concurrent. A split call captured before any eager call made the counters
 runs the three kernels instead. The grid depends on (B, Hkv, table width, window) only.
 Values: the pool and q bit for bit; the output equals the three kernels' up to fp32 rounding
-(in fp32 the attention math is not FMA-contracted; the merge reduces in another layout).
+(the attention math here is not FMA-contracted, and the merge reduces in another layout).
 Checked in tests/test_fused_attend.py.
 """
 
@@ -231,11 +231,7 @@ def fused_rope_attend(
         SPLITS_PAD=triton.next_power_of_2(splits), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         STORE_Q=q_out is not None,
-        num_warps=4,
-        # fp32 rope must not contract x*cos + swapped*sin into an FMA (torch rounds the product);
-        # in bf16 / fp16 each product is rounded to the dtype before the add, so FMA contraction
-        # (kept for the attention math, as in _partial_kernel) cannot touch the rope's values
-        enable_fp_fusion=qkv.dtype != torch.float32,
+        num_warps=4, enable_fp_fusion=False,  # no FMA: torch rounds x*cos before the add
         **launch_args(qkv.device),
     )  # fmt: skip
     return out
