@@ -9,8 +9,7 @@ op is CUDA-graph safe.
 
 `paged_decode_attention` is the torch reference (also the CPU path, and the oracle of the
 Triton kernel's tests); `ops/paged_attention_triton.py` is the CUDA kernel with the same
-signature, picked once per device type from `IMPLS`. The graph decode's rope + KV write +
-attention can run as one kernel on CUDA (`fused_attend_for`, ops/paged_attend_fused_triton.py).
+signature, picked once per device type from `IMPLS`.
 """
 
 from __future__ import annotations
@@ -18,9 +17,6 @@ from __future__ import annotations
 import importlib
 
 import torch
-
-from ops.env import env_choice
-from ops.fused import cuda_kernels
 
 
 def check_paged_args(q, k_pool, v_pool, block_tables, kv_lens, block_size, sinks) -> None:
@@ -116,30 +112,3 @@ def impl_for(device: torch.device):
                 fn = paged_decode_attention
         _LOADED[kind] = fn
     return _LOADED[kind]
-
-
-# one kernel for rope, the KV write and attention in the graph decode (on, the default) | off:
-# rope_kv_write, then the split and merge kernels of IMPLS["cuda"]
-ENV_FUSED_ATTEND = "TORCH_RUNNER_FUSED_ATTEND"
-FUSED_ATTEND_MODES = ("on", "off")
-_FUSED: dict[str, object] = {}
-
-
-def fused_attend_mode() -> str:
-    return env_choice(ENV_FUSED_ATTEND, "on", FUSED_ATTEND_MODES)
-
-
-def fused_attend_for(device: torch.device):
-    """ops.paged_attend_fused_triton.fused_rope_attend for a CUDA device when
-    ENV_FUSED_ATTEND is on and the fused kernels are (ops.fused), else None (decided once per
-    device type; off CUDA the switch is not read)."""
-    kind = torch.device(device).type
-    if kind not in _FUSED:
-        fn = None
-        if kind == "cuda" and fused_attend_mode() == "on" and cuda_kernels() is not None:
-            try:
-                fn = importlib.import_module("ops.paged_attend_fused_triton").fused_rope_attend
-            except ImportError:  # no Triton: the caller runs the unfused ops
-                fn = None
-        _FUSED[kind] = fn
-    return _FUSED[kind]

@@ -41,7 +41,6 @@ import torch
 
 from models.layers import GatedMLP, Rotary
 from ops.moe import is_capturable
-from ops.paged_attention import fused_attend_for
 from ops.paged_attention import impl_for as paged_impl_for
 from ops.rope import rope_kv_write
 from torch_runner.kv.caches import PagedKVPool, decode_from_pool
@@ -87,14 +86,8 @@ class StaticPagedView:
     def attend_qkv(self, qkv, cos, signed_sin, num_q_heads: int, *, sm_scale: float,
                    sinks=None, window=None):  # fmt: skip
         """Unrotated qkv [B, Hq + 2 Hkv, D] and the rope rows [B, D_rot]: rotate q and k,
-        write k and v to the pool, attend -> [B, Hq, D]. On CUDA all of it is one kernel
-        (TORCH_RUNNER_FUSED_ATTEND=on, the default), else rope + KV write, then attention."""
+        write k and v to the pool (one kernel on CUDA), attend -> [B, Hq, D]."""
         k_pool, v_pool = self.pool.k_layers[self.layer], self.pool.v_layers[self.layer]
-        fused = fused_attend_for(qkv.device)
-        if fused is not None:
-            return fused(qkv, cos, signed_sin, k_pool, v_pool, self.write_slots, self.tables,
-                         self.kv_lens, num_q_heads=num_q_heads, block_size=self.pool.block_size,
-                         sm_scale=sm_scale, sinks=sinks, window=window)  # fmt: skip
         q = rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, self.write_slots, num_q_heads)
         return paged_impl_for(q.device)(q, k_pool, v_pool, self.tables, self.kv_lens,
                                         block_size=self.pool.block_size, sm_scale=sm_scale,
