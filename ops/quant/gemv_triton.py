@@ -30,11 +30,6 @@ sm_90 instructions a weight and is issue-bound on the H200's bandwidth; the dot 
 wide one-row fp8 shapes 1.10-1.14x faster, gemv_tiles.FP8_READS). Under PDL (ops/pdl.py) every
 program asks L2 for the start of its weight rows, then waits for the previous kernel.
 
-Gated (a feed-forward's [gate | up] weight, silu(gate) * up stored): a program takes BLOCK_N / 2
-channels of each half. On the tensor cores with one split (PAIRED) the gate rows and the up rows
-go to two accumulators, so the epilogue pairs channels in the accumulators' own layout; the FMA
-loop interleaves gate and up rows in one tile and splits the pairs in the epilogue.
-
 Tiles (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) per shape come from ops/quant/gemv_tiles.py (measured
 on the H200 by tools/bench_fp8_linear.py's sweep, bf16 by tools/bench_gemv.py's, with a rule for
 shapes not measured).
@@ -51,13 +46,7 @@ import triton.language as tl
 from ops.fused.triton_kernels import silu_mul_values
 from ops.pdl import launch_args
 from ops.pdl_triton import pdl_enter, pdl_prefetch_enter
-from ops.quant.gemv_loops import (
-    E4M3_UNBIAS,
-    INF,
-    _accumulate,
-    _accumulate_dot,
-    _accumulate_dot_paired,
-)
+from ops.quant.fp8 import E4M3_F32_MASK, E4M3_F32_UNBIAS
 from ops.quant.gemv_tiles import (
     bf16_takes_dot,
     block_rows,
@@ -85,45 +74,144 @@ if _widen_raw not in ("0", "1"):
     raise ValueError(f"{ENV_WIDEN}={_widen_raw!r}: allowed values are 0 and 1")
 WIDEN_1BYTE = _widen_raw == "1"
 FP8_BITS_MODE = fp8_bits_mode()  # where e4m3 is read by bit placement (gemv_tiles); read once
-ENV_PAIRED = "TORCH_RUNNER_GEMV_PAIRED"  # "1" (default): gated dot tiles in two accumulators
-_paired_raw = os.environ.get(ENV_PAIRED, "1").strip()
-if _paired_raw not in ("0", "1"):
-    raise ValueError(f"{ENV_PAIRED}={_paired_raw!r}: allowed values are 0 and 1")
-PAIRED_GATED = _paired_raw == "1"
 # PDL launches (ops/pdl.py): 128-byte lines of each weight row a program asks L2 for before it
 # waits for the previous kernel (0: none)
 PREFETCH_LINES = prefetch_lines()  # read once
 
 
+# e4m3 weights by bit placement (E4M3_BITS, one row): the sign-extended byte shifted left 20 and
+# masked to 0x87F00000 is an fp32 whose value is the e4m3 value * 2^-120, subnormals included
+# (e4m3 subnormals land on fp32 subnormals; Triton's fp32 FMA keeps them: no .ftz in its PTX):
+# three integer ops a weight instead of two conversions (e4m3x2 -> f16x2, f16 -> f32). x is
+# multiplied by 2^60 as loaded and the sum by 2^60 after the loop, both exact powers of two, so
+# the products are WIDEN's, unless |w * x| < 2^-66 (then subnormal: an absolute error under 2^-89
+# a product, before the scale) or |x| > 2^68 (x * 2^60 overflows): a program whose scaled sums
+# are not all finite runs its slices again through WIDEN, so huge, infinite and NaN activations
+# give what WIDEN gives. e4m3 NaN bytes (0x7F / 0xFF) would read as 480: weights holding them
+# must not take this path (Fp8Weight checks once, at load). Measured slower than WIDEN on every
+# Llama shape on the H200 (2-30% in a CUDA-graph chain, 2026-12-04: the loop is bound by issue,
+# not by the conversion unit), so only the table's FP8_READS or TORCH_RUNNER_GEMV_FP8_BITS=on
+# select it.
+E4M3_MASK = tl.constexpr(E4M3_F32_MASK - 2**32)  # as int32: bit 31 and bits 20-26
+E4M3_UNBIAS = tl.constexpr(2.0 ** (E4M3_F32_UNBIAS // 2))  # x * 2^60, sum * 2^60: the 2^-120
+INF = tl.constexpr(float("inf"))
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # it has no bf16 scalars
+
+
 @triton.jit
-def _paired_epilogue(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, pair, n_ok, rm, m_ok, M, N, K,
-                     k_split, stride_xm, stride_wn, stride_om, stride_sn, BLOCK_M: tl.constexpr,
-                     HALF_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
-    """The paired GATED product (one split): the two accumulators, scaled (+ bias), rounded,
-    silu(gate) * up stored [M, N / 2]; fp16 x that overflowed reruns through WIDEN (rare)."""
-    half = N // 2
-    up = pair + half
-    acc_g, acc_u = _accumulate_dot_paired(x_ptr, w_ptr, pair, n_ok, M, half, k_split, stride_xm,
-                                          stride_wn, BLOCK_M, HALF_N, BLOCK_K)  # fmt: skip
-    ok = m_ok[:, None] & n_ok[None, :]
-    bad = tl.where(ok & ~((tl.abs(acc_g) < INF) & (tl.abs(acc_u) < INF)), 1, 0)
-    if tl.max(tl.max(bad, axis=1), axis=0) > 0:
-        acc_g = _accumulate(x_ptr, w_ptr, s_ptr, pair, rm, n_ok, m_ok, K, k_split, stride_xm,
-                            stride_wn, stride_sn, BLOCK_M, HALF_N, BLOCK_K, EVEN_K, HAS_SCALE,
-                            0, 0, True, False)  # fmt: skip
-        acc_u = _accumulate(x_ptr, w_ptr, s_ptr, up, rm, n_ok, m_ok, K, k_split, stride_xm,
-                            stride_wn, stride_sn, BLOCK_M, HALF_N, BLOCK_K, EVEN_K, HAS_SCALE,
-                            0, 0, True, False)  # fmt: skip
-    if HAS_SCALE:
-        acc_g *= tl.load(s_ptr + pair, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        acc_u *= tl.load(s_ptr + up, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc_g += tl.load(b_ptr + pair, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_ptr + up, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    value = silu_mul_values(acc_g.to(dtype), acc_u.to(dtype), dtype)
-    tl.store(out_ptr + rm[:, None] * stride_om + pair[None, :], value, mask=ok)
+def _e4m3_bits_f32(w):
+    """e4m3 bytes (any 1-byte type) -> fp32 e4m3 value * 2^-120, integer ops only (the torch
+    twin: ops.quant.fp8.e4m3_bits_reference)."""
+    b = w.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended: the sign's copies in 27-31
+    return ((b << 20) & E4M3_MASK).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr,
+                WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr):  # fmt: skip
+    """One [BLOCK_N, BLOCK_K] weight slice and its [BLOCK_M, BLOCK_K] rows of x, raw (1-byte
+    weights stay packed in registers until used) or, WIDEN, 1-byte weights converted to fp16
+    as loaded (exact for e4m3 and int8), or E4M3_BITS, e4m3 as fp32 * 2^-120 as loaded (7.3-7.7
+    sm_90 instructions a weight in the loop, 7.8-8.1 converted at use); ok False loads nothing
+    (past the split)."""
+    if EVEN_K:  # rows past N load nothing and are never stored
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & ok)
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & ok, other=0.0)
+    else:
+        k_ok = (cols < K)[None, :] & ok
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok)
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+    if WIDEN:
+        w = w.to(tl.float16)
+    if E4M3_BITS:
+        w = _e4m3_bits_f32(w)
+    return w, x
+
+
+@triton.jit
+def _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm, stride_wn,
+                stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BN: tl.constexpr,
+                SCALE_BK: tl.constexpr, WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr):  # fmt: skip
+    """This program's fp32 sums [BLOCK_M, BLOCK_N] over its split of K (block scales applied
+    per slice); E4M3_BITS: the weights read by bit placement, the sums still carry 2^-60."""
+    pid_k = tl.program_id(1)
+    rk = pid_k * k_split + tl.arange(0, BLOCK_K)  # k_split: a multiple of BLOCK_K (host)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    if E4M3_BITS:  # x read again for every weight row, [BLOCK_N, BLOCK_K], in the weights'
+        # layout (one row, E4M3_BITS only): from [1, BLOCK_K] Triton moved the converted
+        # weights through shared memory to x's layout every slice (seen in the sm_90 SASS)
+        x_ptrs = x_ptr + (rn * 0)[:, None] + rk[None, :]
+    else:
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    if BLOCK_M == 1:
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # register double buffering: the next slice's loads are issued before this slice's math, so
+    # each program keeps two tiles in flight (Triton's pipeliner leaves loads that feed no dot
+    # alone: num_stages changes nothing here, seen in the SASS)
+    w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk, n_ok, m_ok, K, k_split > 0, EVEN_K, WIDEN,
+                                 E4M3_BITS)  # fmt: skip
+    for k0 in range(0, k_split, BLOCK_K):
+        w, x = w_next, x_next
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk + k0 + BLOCK_K, n_ok, m_ok, K,
+                                     k0 + BLOCK_K < k_split, EVEN_K, WIDEN, E4M3_BITS)  # fmt: skip
+        wf = w.to(tl.float32)
+        if E4M3_BITS and x.dtype == tl.bfloat16 and not INTERPRETED:  # packed bf16 multiply
+            xf = (x * E4M3_UNBIAS).to(tl.float32)  # a bf16 product (weak scalar)
+        elif E4M3_BITS:  # fp16 x * 2^60 would overflow: in fp32 (the same exact values)
+            xf = x.to(tl.float32) * E4M3_UNBIAS
+        else:
+            xf = x.to(tl.float32)
+        if HAS_SCALE and SCALE_BK > 0:  # a slice inside one block column: a scale per row
+            kb = (pid_k * k_split + k0) // SCALE_BK
+            s_blk = tl.load(s_ptr + (rn // SCALE_BN) * stride_sn + kb, mask=n_ok, other=0.0)
+            wf = wf * s_blk[:, None]
+        if not EVEN_K:  # columns past K: zero weights (an unloaded lane may read as a NaN)
+            wf = tl.where((rk + k0 < K)[None, :], wf, 0.0)
+        if BLOCK_M == 1:
+            acc1 += wf * xf  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]: reduced once, after the loop
+        else:
+            acc += tl.sum(xf[:, None, :] * wf[None, :, :], axis=2)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]  # [1, BLOCK_N]
+    return acc
+
+
+@triton.jit
+def _accumulate_dot(x_ptr, w_ptr, rn, n_ok, M, k_split, stride_xm, stride_wn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """This program's fp32 sums [BLOCK_M, BLOCK_N] on the tensor cores: [BLOCK_N, BLOCK_K]
+    weight slices (1-byte ones converted to fp16 as loaded, exact) times x as [BLOCK_K, 16]
+    columns, column m holding row m (x converted to the slice's dtype: exact for bf16 x in
+    fp16's normal range; |x| > 65504 gives inf, which the caller reruns); whole slices only
+    (EVEN_K). The dot pays 16 columns for one row, but the tensor cores have the rate to spare;
+    what it saves is the per-weight multiply-add and fp32 widening of the FMA loop."""
+    pid_k = tl.program_id(1)
+    rk = pid_k * k_split + tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, 16)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + cols[None, :] * stride_xm + rk[:, None]  # [BLOCK_K, 16]
+    x_ok = (cols < M)[None, :]
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for _k0 in range(0, k_split, BLOCK_K):
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if w_ptr.dtype.element_ty == tl.bfloat16:
+            acc = tl.dot(w, x.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(w.to(tl.float16), x.to(tl.float16), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    rm = tl.arange(0, BLOCK_M)
+    out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for m in tl.static_range(BLOCK_M):  # row m of the product is column m of acc
+        col = tl.sum(tl.where(cols[None, :] == m, acc, 0.0), axis=1)
+        out = tl.where(rm[:, None] == m, col[None, :], out)
+    return out
 
 
 @triton.jit
@@ -149,8 +237,7 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
           HAS_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
           HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr = False,
           DOT: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-          LINE: tl.constexpr = 128, GATED: tl.constexpr = False,
-          PAIRED: tl.constexpr = False):  # fmt: skip
+          LINE: tl.constexpr = 128, GATED: tl.constexpr = False):  # fmt: skip
     # HAS_SCALE False: a plain (bf16 / fp16) weight, no scale (s_ptr unused). SCALE_BK == 0: one
     # scale per channel, s[N]; else one per (SCALE_BN, SCALE_BK) block, s[ceil(N / SCALE_BN),
     # ceil(K / SCALE_BK)] (row stride stride_sn), BLOCK_K dividing SCALE_BK. HAS_BIAS: + b[N]
@@ -159,14 +246,6 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
     # interleaved in its tile, and stores silu(gate) * up [M, I] of its rounded sums
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PAIRED:  # GATED on the tensor cores, one split: gate and up rows in two accumulators
-        pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        rm = tl.arange(0, BLOCK_M)
-        pdl_enter(PDL)
-        _paired_epilogue(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, pair, pair < N // 2, rm, rm < M,
-                         M, N, K, k_split, stride_xm, stride_wn, stride_om, stride_sn, BLOCK_M,
-                         BLOCK_N // 2, BLOCK_K, EVEN_K, HAS_SCALE, HAS_BIAS)  # fmt: skip
-        return
     if GATED:
         pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2  # the output channel
         rn = pair + (tl.arange(0, BLOCK_N) % 2) * (N // 2)  # gate row, up row, gate row, ...
@@ -309,9 +388,6 @@ def gemv(
     out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     k_split = k // split if split > 1 else k
     dot = dot and dot_fits(block_n, block_k, k_split)
-    # gated on the tensor cores: two accumulators of 16+ rows each (PAIRED), unless split or
-    # TORCH_RUNNER_GEMV_PAIRED=0 (the interleaved tile, split in the epilogue)
-    paired = gated and dot and split == 1 and block_n >= 32 and PAIRED_GATED
     stages = stages or (dot_stages(m, n, k, plain) if dot else None)
     extra = launch_args(x.device)
     if stages is not None:
@@ -334,6 +410,5 @@ def gemv(
                                and weight.dtype == torch.float8_e4m3fn
                                and (fp8_takes_bits(m, n, k, FP8_BITS_MODE) if bits is None
                                     else bits),
-                               DOT=dot, GATED=gated, PAIRED=paired, num_warps=warps,
-                               **extra)  # fmt: skip
+                               DOT=dot, GATED=gated, num_warps=warps, **extra)  # fmt: skip
     return out
