@@ -6,9 +6,7 @@ the row's visible keys [max(0, L - W), L) through the block table, and writes a 
 and log-sum-exp; a second kernel merges the splits and adds the sinks to the denominator. The
 split count depends on the batch shape and the table width only, never on a tensor value, so
 the launch is the same at every replay of a CUDA graph. Checked against the torch reference in
-tests/test_paged_attention.py (GPU-marked). The per-split math (`split_bounds`, `attend_keys`,
-`finish_row`, `split_partial`, `merge_partials`) is shared with the one-kernel rope + KV write
-+ attention of the graph decode (ops/paged_attend_fused_triton.py).
+tests/test_paged_attention.py (GPU-marked).
 """
 
 from __future__ import annotations
@@ -27,24 +25,32 @@ MAX_SPLITS = 32
 
 
 @triton.jit
-def split_bounds(kv_len, window, sp, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr):  # fmt: skip
-    """(start, end, per) of split sp of a row's visible keys [max(0, L - W), L): `per` keys a
-    split (whole tiles), so split (L - 1 - lo) // per holds the newest key."""
+def _partial_kernel(Q, K, V, Tables, Lens, Acc, Lse, Sinks, Out,
+                    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_lens,
+                    stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
+                    sm_scale, window,
+                    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    PRECISION: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    sp = tl.program_id(2)
+    kv_len = tl.load(Lens + b * stride_lens).to(tl.int32)
     lo = kv_len * 0
     if HAS_WINDOW:
         lo = tl.maximum(kv_len - window, 0)
     per = tl.cdiv(tl.cdiv(kv_len - lo, SPLITS), BLOCK) * BLOCK
     start = lo + sp * per
-    return start, tl.minimum(start + per, kv_len), per
-
-
-@triton.jit
-def attend_keys(q, K, V, Tables, b, hk, start, end, stride_ks, stride_kh, stride_tb, sm_scale,
-                d, d_ok, G_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-                BLOCK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """Online softmax of q [G_PAD, D_PAD] over keys [start, end) of row b, KV head hk, read
-    through the block table: (running max m in the log2 domain, total, acc) unnormalized."""
+    end = tl.minimum(start + per, kv_len)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = hk * G + g
+    g_ok = g < G
+    d_ok = d < D
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -66,79 +72,22 @@ def attend_keys(q, K, V, Tables, b, hk, start, end, stride_ks, stride_kh, stride
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    return m, total, acc
-
-
-@triton.jit
-def finish_row(m, total, acc, Sinks, heads, g_ok, HAS_SINKS: tl.constexpr):
-    """One split held the whole row: softmax over its keys and the sink -> fp32 [G_PAD, D_PAD]
-    (0 for a row without keys and sinks)."""
-    if HAS_SINKS:  # (log2 domain, like m)
-        sink = tl.load(Sinks + heads, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        top = tl.maximum(m, sink)
-        top = tl.where(top == float("-inf"), 0.0, top)
-        keep = tl.exp2(m - top)  # 0 for a row without keys
-        acc = acc * keep[:, None]
-        total = total * keep + tl.exp2(sink - top)
-    return acc / tl.where(total > 0, total, 1.0)[:, None]
-
-
-@triton.jit
-def split_partial(m, total, acc):
-    """A split's normalized partial output and its natural-log lse (-inf for no keys)."""
-    has = total > 0
-    safe = tl.where(has, total, 1.0)
-    lse = tl.where(has, (m + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
-    return acc / safe[:, None], lse
-
-
-@triton.jit
-def merge_partials(lse, acc, Sinks, h, HAS_SINKS: tl.constexpr):
-    """Head h's output from its splits' lse [SPLITS_PAD] (-inf: empty or absent) and partials
-    acc [SPLITS_PAD, D_PAD], the sink in the denominator -> fp32 [D_PAD]."""
-    m = tl.max(lse, 0)
-    if HAS_SINKS:
-        sink = tl.load(Sinks + h).to(tl.float32)
-        m = tl.maximum(m, sink)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)  # [SPLITS_PAD]; empty splits weigh 0
-    denom = tl.sum(w, 0)
-    if HAS_SINKS:
-        denom += tl.exp(sink - m)
-    return tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
-
-
-@triton.jit
-def _partial_kernel(Q, K, V, Tables, Lens, Acc, Lse, Sinks, Out,
-                    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_lens,
-                    stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
-                    sm_scale, window,
-                    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                    PAGE: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                    PRECISION: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    hk = tl.program_id(1)
-    sp = tl.program_id(2)
-    kv_len = tl.load(Lens + b * stride_lens).to(tl.int32)
-    start, end, _ = split_bounds(kv_len, window, sp, SPLITS, BLOCK, HAS_WINDOW)
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
-    heads = hk * G + g
-    g_ok = g < G
-    d_ok = d < D
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-    m, total, acc = attend_keys(q, K, V, Tables, b, hk, start, end, stride_ks, stride_kh,
-                                stride_tb, sm_scale, d, d_ok, G_PAD, D_PAD, PAGE, BLOCK,
-                                PRECISION)  # fmt: skip
     if SPLITS == 1:  # the whole row here: softmax over the keys and the sink, out in q's dtype
-        out = finish_row(m, total, acc, Sinks, heads, g_ok, HAS_SINKS)
+        if HAS_SINKS:  # (log2 domain, like m)
+            sink = tl.load(Sinks + heads, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            top = tl.maximum(m, sink)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            keep = tl.exp2(m - top)  # 0 for a row without keys
+            acc = acc * keep[:, None]
+            total = total * keep + tl.exp2(sink - top)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
     else:
-        out, lse = split_partial(m, total, acc)
+        has = total > 0
+        safe = tl.where(has, total, 1.0)
+        out = acc / safe[:, None]
+        lse = tl.where(has, (m + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
         tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + sp * stride_as + d[None, :],
                  out, mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
         tl.store(Lse + b * stride_lb + heads * stride_lh + sp, lse, mask=g_ok)
@@ -157,9 +106,18 @@ def _merge_kernel(Acc, Lse, Sinks, Out,
     d = tl.arange(0, D_PAD)
     s_ok = s < SPLITS
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h).to(tl.float32)
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)  # [SPLITS_PAD]; empty splits weigh 0
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m)
     acc = tl.load(Acc + b * stride_ab + h * stride_ah + s[:, None] * stride_as + d[None, :],
                   mask=s_ok[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
-    out = merge_partials(lse, acc, Sinks, h, HAS_SINKS)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
