@@ -18,6 +18,8 @@ import importlib
 
 import torch
 
+from ops.env import env_choice
+
 
 def check_paged_args(q, k_pool, v_pool, block_tables, kv_lens, block_size, sinks) -> None:
     """Shape checks shared by the reference and the kernel; errors name the argument."""
@@ -94,6 +96,17 @@ def paged_decode_attention(
 
 
 # device type -> "module:function" with the reference's signature
+ENV_SPLIT_MIN_KEYS = "TORCH_RUNNER_ATTN_SPLIT_MIN_KEYS"
+SPLIT_MIN_KEYS_CHOICES = ("64", "128", "256", "512", "1024")
+
+
+def split_min_keys() -> int:
+    """ENV_SPLIT_MIN_KEYS (default 64, one key tile): the CUDA kernel splits a row's keys only into
+    parts of at least this many, so a short context decodes in one split (no merge kernel) once
+    it is raised. An experiment switch: which is faster at batch 1 is for the device to say."""
+    return int(env_choice(ENV_SPLIT_MIN_KEYS, "64", SPLIT_MIN_KEYS_CHOICES))
+
+
 IMPLS = {"cuda": "ops.paged_attention_triton:paged_decode_attention"}
 _LOADED: dict[str, object] = {}
 

@@ -15,13 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.paged_attention import check_paged_args
+from ops.paged_attention import check_paged_args, split_min_keys
 from ops.pdl import launch_args
 from ops.pdl_triton import pdl_enter
 
 BLOCK_N = 64  # keys per inner tile
 TARGET_PROGRAMS = 264  # ~2 waves of the H200's 132 SMs
 MAX_SPLITS = 32
+MIN_SPLIT_KEYS = split_min_keys()  # read once (ops/paged_attention.py)
 
 
 @triton.jit
@@ -122,9 +123,10 @@ def _merge_kernel(Acc, Lse, Sinks, Out,
 
 
 def num_splits(batch: int, num_kv_heads: int, max_keys: int) -> int:
-    """Splits per (row, KV head): enough programs to fill the GPU, at most one per key tile."""
+    """Splits per (row, KV head): enough programs to fill the GPU, at most one per
+    `split_min_keys()` keys (default one key tile: a short context at batch 1 still splits)."""
     want = triton.cdiv(TARGET_PROGRAMS, batch * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max_keys, BLOCK_N), MAX_SPLITS))
+    return max(1, min(want, triton.cdiv(max_keys, max(BLOCK_N, MIN_SPLIT_KEYS)), MAX_SPLITS))
 
 
 def paged_decode_attention(

@@ -4,6 +4,8 @@ Oracle: ops.attention (masked SDPA) over keys gathered into a contiguous buffer,
 paged op replaces. On CUDA the Triton kernel must equal the torch reference (GPU-marked).
 """
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -107,3 +109,49 @@ def test_triton_kernel_equals_the_reference(dtype, window, with_sinks, shape):
         from ops.paged_attention_triton import num_splits
 
         assert num_splits(b, hkv, tables.shape[1] * 16) == 1
+
+
+def test_split_min_keys_names_the_variable_and_the_allowed_values(monkeypatch):
+    from ops.paged_attention import split_min_keys
+
+    monkeypatch.setenv("TORCH_RUNNER_ATTN_SPLIT_MIN_KEYS", "256")
+    assert split_min_keys() == 256
+    monkeypatch.setenv("TORCH_RUNNER_ATTN_SPLIT_MIN_KEYS", "100")
+    with pytest.raises(ValueError, match="TORCH_RUNNER_ATTN_SPLIT_MIN_KEYS='100'.*64, 128"):
+        split_min_keys()
+
+
+SPLIT_CHECK = """
+import torch
+from ops.paged_attention import paged_decode_attention
+from ops.paged_attention_triton import num_splits, paged_decode_attention as kernel
+gen = torch.Generator().manual_seed(0)
+b, hq, hkv, d, page, width = 1, 4, 2, 16, 16, 16  # a 256-key table, 200 keys used
+q = torch.randn(b, hq, d, generator=gen)
+kp = torch.randn(width * page + 1, hkv, d, generator=gen)
+vp = torch.randn(width * page + 1, hkv, d, generator=gen)
+tables = torch.randperm(width, generator=gen)[None].long()
+kv_lens = torch.tensor([200])
+args = dict(block_size=page, sm_scale=d**-0.5)
+print("splits", num_splits(b, hkv, width * page))
+got = kernel(q, kp, vp, tables, kv_lens, **args)
+want = paged_decode_attention(q, kp, vp, tables, kv_lens, **args)
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="CPU interpreter check",
+)
+@pytest.mark.parametrize("min_keys, splits", [("64", 4), ("256", 1)])
+def test_split_min_keys_sets_the_split_count_and_keeps_the_output(min_keys, splits, monkeypatch):
+    """Default: a 256-key table splits in four; 256 keys a split: one program a KV head, the
+    output written by it (no merge); both equal the torch reference (fp32, interpreter)."""
+    from triton_interpreter import run_in_interpreter
+
+    monkeypatch.setenv("TORCH_RUNNER_ATTN_SPLIT_MIN_KEYS", min_keys)
+    result = run_in_interpreter(SPLIT_CHECK, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    assert f"splits {splits}" in result.stdout
