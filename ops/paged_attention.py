@@ -95,7 +95,6 @@ def paged_decode_attention(
     return out.reshape(b, hq, d).to(q.dtype)
 
 
-# device type -> "module:function" with the reference's signature
 ENV_SPLIT_MIN_KEYS = "TORCH_RUNNER_ATTN_SPLIT_MIN_KEYS"
 SPLIT_MIN_KEYS_CHOICES = ("64", "128", "256", "512", "1024")
 
@@ -107,6 +106,7 @@ def split_min_keys() -> int:
     return int(env_choice(ENV_SPLIT_MIN_KEYS, "64", SPLIT_MIN_KEYS_CHOICES))
 
 
+# device type -> "module:function" with the reference's signature
 IMPLS = {"cuda": "ops.paged_attention_triton:paged_decode_attention"}
 _LOADED: dict[str, object] = {}
 
