@@ -70,7 +70,8 @@ class Rotary(nn.Module):
             return held
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        count = max(self.covering, 0 if held is None else 2 * held.shape[0])
+        grow = held is not None and not fits  # doubling: at most twice the largest bucket held
+        count = max(self.covering, 2 * held.shape[0] if grow else 0)
         positions = torch.arange(count, device=device)[None]  # [1, P]
         cos, sin = rope_tables(positions, self.inv_freq, self.attention_scaling, dtype)
         self._tables.append(torch.cat([cos, sin], dim=2)[0])  # [P, 2, D_rot]
