@@ -187,13 +187,14 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(b, n, hkv, d)  # [B, N, Hkv, D]
             v = self.v_proj(x).view(b, n, hkv, d)
         else:
-            qkv = ops.linear(x, self.qkv_weight, self.qkv_bias).view(b, n, hq + 2 * hkv, d)
-            attend_qkv = getattr(cache, "attend_qkv", None)  # the static (graph) decode
-            if attend_qkv is not None and self.q_norm is None and rope.cos is not None:
-                # rope, the pool write and attention from the pool: [B, Hq, D]
-                out = attend_qkv(qkv[:, 0], rope.cos.reshape(b, -1), rope.sin.reshape(b, -1),
-                                 hq, sm_scale=self.scale, sinks=self.sinks, window=self.window)  # fmt: skip
+            project_attend = getattr(cache, "project_attend", None)  # the static (graph) decode
+            if project_attend is not None and self.q_norm is None and rope.cos is not None:
+                # q/k/v, rope, the pool write and attention from the pool: [B, Hq, D]
+                out = project_attend(x[:, 0], self.qkv_weight, self.qkv_bias,
+                                     rope.cos.reshape(b, -1), rope.sin.reshape(b, -1), hq,
+                                     sm_scale=self.scale, sinks=self.sinks, window=self.window)  # fmt: skip
                 return ops.linear(out.reshape(b, n, -1), self.o_proj.weight, self.o_proj.bias)
+            qkv = ops.linear(x, self.qkv_weight, self.qkv_bias).view(b, n, hq + 2 * hkv, d)
             if self.q_norm is None:  # q and k rotate together: one rope for both
                 qk = rope(qkv[:, :, : hq + hkv])  # [B, N, Hq + Hkv, D]
                 q, k = qk[:, :, :hq], qk[:, :, hq:]

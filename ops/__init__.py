@@ -9,7 +9,14 @@ module itself with `from ops.attention import ...` or `importlib.import_module("
 """
 
 from ops.attention import KeyLayout
-from ops.linear import can_pack, linear, linear_add, linear_silu_mul, pack_weight
+from ops.linear import (
+    can_pack,
+    linear,
+    linear_add,
+    linear_rope_kv,
+    linear_silu_mul,
+    pack_weight,
+)
 from ops.registry import OPS, backends, configure, impl, make_dispatcher
 from ops.rope import rope_cos_sin, rope_init
 
@@ -40,6 +47,7 @@ __all__ = [
     "layer_norm",
     "linear",
     "linear_add",
+    "linear_rope_kv",
     "linear_silu_mul",
     "moe_gpt_oss",
     "moe_qwen3",

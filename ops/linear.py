@@ -111,31 +111,74 @@ def _silu_mode() -> str:
 
 def _gated_gemv(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The GEMV `linear` would run for x @ weight.T, in its gated mode; None where `linear`
-    runs another kernel (or adds a quantized weight's bias after rounding: not fused) or the
-    mode does not fuse this shape (ops/quant/gemv_tiles.silu_in_gemv)."""
+    runs another kernel or the mode does not fuse this shape (ops/quant/gemv_tiles.silu_in_gemv)."""
     from ops.quant.gemv_tiles import silu_in_gemv
 
+    mode = _silu_mode()
+    return _epilogue_gemv(x, weight, bias, lambda kind, m, n, k: silu_in_gemv(kind, m, n, k, mode),
+                          gated=True)  # fmt: skip
+
+
+def _epilogue_gemv(x: torch.Tensor, weight, bias: torch.Tensor | None, takes, **epilogue):
+    """The GEMV `linear` would run for x @ weight.T, with `epilogue` (gemv's gated / rope
+    argument); None where `linear` runs another kernel (or adds a quantized weight's bias after
+    rounding: not fused) or `takes(kind, rows, n, k)` says no for this weight kind and shape."""
     flat = x.reshape(-1, x.shape[-1])
     if getattr(weight, "is_quantized", False):
         kind, same_dtype = weight.gemv_kind, weight.compute_dtype == flat.dtype
         if kind is None or bias is not None or not same_dtype:
             return None
-        if not silu_in_gemv(kind, flat.shape[0], *weight.shape, _silu_mode()):
+        if not takes(kind, flat.shape[0], *weight.shape):
             return None  # the shape table first: gemv_args is the costlier question
         args = weight.gemv_args(flat)
         if args is None:
             return None
         from ops.quant.gemv_triton import gemv
 
-        out = gemv(flat, args[0], args[1], gated=True, **args[2])
+        out = gemv(flat, args[0], args[1], **args[2], **epilogue)
     else:
-        fuse = flat.shape[0] == 1 and silu_in_gemv("bf16", 1, *weight.shape, _silu_mode())
+        fuse = flat.shape[0] == 1 and takes("bf16", 1, *weight.shape)
         route = _route_for(flat, weight, bias) if fuse else None
         if route is None:
             return None
         gemv, config = route
-        out = gemv(flat, weight, None, config, bias=bias, gated=True)
+        out = gemv(flat, weight, None, config, bias=bias, **epilogue)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def linear_rope_kv(x: torch.Tensor, weight, bias, cos, signed_sin, k_pool, v_pool, slots,
+                   num_q_heads: int) -> torch.Tensor:  # fmt: skip
+    """A decode q/k/v projection and what follows it: x [T, in] (one token a row) @ a
+    [q | k | v] weight -> rope on q and k by the rows cos / signed_sin [T, D_rot], k and v
+    written to k_pool / v_pool [slots, Hkv, D] at `slots` [T]; returns q [T, Hq, D]. On CUDA,
+    where the product runs the Triton GEMV and `TORCH_RUNNER_GEMV_ROPE=on` (full-rotary heads,
+    bf16 / fp16), the GEMV does all of it in its epilogue (one kernel, not two; the same values);
+    otherwise `linear`, then ops.rope.rope_kv_write."""
+    from ops.rope import rope_kv_write
+
+    t, d = x.shape[0], k_pool.shape[-1]
+    full = cos.shape[-1] == d and x.dtype in (torch.bfloat16, torch.float16)
+    if full and _rope_mode() == "on" and kernels_for(x) is not None:
+        from ops.quant.gemv_epilogue import RopeKvTarget
+        from ops.quant.gemv_tiles import MAX_ROWS
+
+        target = RopeKvTarget(cos, signed_sin, slots, k_pool, v_pool, num_q_heads)
+        q = _epilogue_gemv(x, weight, bias, lambda kind, m, n, k: m <= MAX_ROWS, rope=target)
+        if q is not None:
+            return q.view(t, num_q_heads, d)
+    qkv = linear(x, weight, bias).view(t, -1, d)  # [T, Hq + 2 Hkv, D]
+    return rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, slots, num_q_heads)
+
+
+_ROPE_MODE: list[str] = []  # ops/quant/gemv_tiles.rope_gemv_mode(), read on first use
+
+
+def _rope_mode() -> str:
+    if not _ROPE_MODE:
+        from ops.quant.gemv_tiles import rope_gemv_mode
+
+        _ROPE_MODE.append(rope_gemv_mode())
+    return _ROPE_MODE[0]
 
 
 def _route_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

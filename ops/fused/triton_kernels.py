@@ -158,6 +158,20 @@ def clamped_swiglu(h, limit: float, alpha: float, bias=None, bias_rows=None) -> 
 
 
 @triton.jit
+def rope_pair_values(lo, hi, c_lo, s_lo, c_hi, s_hi, DTYPE: tl.constexpr):
+    """Rotate-half rope of the column pairs (d, d + D_rot / 2) of DTYPE values lo, hi by their
+    cos / signed-sin entries, rounded where `_rope_kv_kernel` (torch's bf16 rope) rounds ->
+    fp32 (the one-row GEMV's q/k/v epilogue, ops/quant/gemv_epilogue.py). Each product is rounded
+    to DTYPE before its add, so no FMA contraction can reach it (DTYPE bf16 / fp16 only)."""
+    lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+    c_lo, s_lo = c_lo.to(tl.float32), s_lo.to(tl.float32)
+    c_hi, s_hi = c_hi.to(tl.float32), s_hi.to(tl.float32)
+    new_lo = _round(_round(lo * c_lo, DTYPE) + _round(hi * s_lo, DTYPE), DTYPE)
+    new_hi = _round(_round(hi * c_hi, DTYPE) + _round(lo * s_hi, DTYPE), DTYPE)
+    return new_lo, new_hi
+
+
+@triton.jit
 def _rope_kv_kernel(QKV, Cos, Sin, Slots, Q, K, V,
                     stride_t, stride_h, stride_ct, stride_st, stride_slot, stride_qt, stride_qh,
                     stride_ks, stride_kh, stride_vs, stride_vh,

@@ -160,6 +160,17 @@ def silu_in_gemv(kind: str, m: int, n: int, k: int, mode: str) -> bool:
     return mode == "on" or (mode == "auto" and (kind, block_rows(m), n, k) in SILU_FASTER)
 
 
+ENV_ROPE = "TORCH_RUNNER_GEMV_ROPE"  # off (default) | on
+ROPE_MODES = ("off", "on")
+
+
+def rope_gemv_mode() -> str:
+    """ENV_ROPE: whether a decode q/k/v projection that runs the GEMV rotates q and k and writes
+    k and v to the pool in its epilogue (ops.linear.linear_rope_kv: the rope + KV-write kernel
+    fewer a layer, the same values): on, or off (the GEMV, then that kernel)."""
+    return env_choice(ENV_ROPE, "off", ROPE_MODES)
+
+
 def fp8_takes_bits(m: int, n: int, k: int, mode: str) -> bool:
     """Whether one row of an fp8 GEMV reads the weight by bit placement under `mode`."""
     if mode == "off" or m != 1:

@@ -43,10 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.fused.triton_kernels import silu_mul_values
 from ops.pdl import launch_args
 from ops.pdl_triton import pdl_enter, pdl_prefetch_enter
 from ops.quant.fp8 import E4M3_F32_MASK, E4M3_F32_UNBIAS
+from ops.quant.gemv_epilogue import RopeKvTarget, store, tile_rows
 from ops.quant.gemv_tiles import (
     bf16_takes_dot,
     block_rows,
@@ -215,44 +215,27 @@ def _accumulate_dot(x_ptr, w_ptr, rn, n_ok, M, k_split, stride_xm, stride_wn,
 
 
 @triton.jit
-def _store(out_ptr, out_ptrs, value, out_ok, pid_n, rm, m_ok, N, stride_om, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
-    """The fp32 results rounded to the output dtype, stored; GATED: [gate, up] pairs of columns
-    rounded, then silu(gate) * up (ops.activation.silu_mul's rounding) into out [M, N / 2]."""
-    value = value.to(out_ptr.dtype.element_ty)
-    if GATED:
-        gate, up = tl.split(tl.reshape(value, (BLOCK_M, BLOCK_N // 2, 2)))
-        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        ptrs = out_ptr + rm[:, None] * stride_om + cols[None, :]
-        ok = m_ok[:, None] & (cols < N // 2)[None, :]
-        tl.store(ptrs, silu_mul_values(gate, up, out_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.store(out_ptrs, value, mask=out_ok)
-
-
-@triton.jit
 def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_split, stride_xm,
           stride_wn, stride_om, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
           HAS_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
           HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr = False,
           DOT: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-          LINE: tl.constexpr = 128, GATED: tl.constexpr = False):  # fmt: skip
+          LINE: tl.constexpr = 128, GATED: tl.constexpr = False, cos_ptr=None, sin_ptr=None,
+          slots_ptr=None, k_ptr=None, v_ptr=None, stride_ct=0, stride_st=0, stride_slot=0,
+          stride_ks=0, stride_kh=0, stride_vs=0, stride_vh=0, ROPE: tl.constexpr = False,
+          HQ: tl.constexpr = 0, HKV: tl.constexpr = 0, HALF: tl.constexpr = 1):  # fmt: skip
     # HAS_SCALE False: a plain (bf16 / fp16) weight, no scale (s_ptr unused). SCALE_BK == 0: one
     # scale per channel, s[N]; else one per (SCALE_BN, SCALE_BK) block, s[ceil(N / SCALE_BN),
     # ceil(K / SCALE_BK)] (row stride stride_sn), BLOCK_K dividing SCALE_BK. HAS_BIAS: + b[N]
     # in fp32 before the one rounding to the output dtype (as cuBLAS's bias epilogue). GATED: w is
     # [gate | up] (N = 2I rows); a program takes BLOCK_N / 2 channels of each, gate and up rows
-    # interleaved in its tile, and stores silu(gate) * up [M, I] of its rounded sums
+    # interleaved in its tile, and stores silu(gate) * up [M, I] of its rounded sums. ROPE: w is
+    # [q | k | v] heads of 2 HALF rows; a program takes (d, d + HALF) row pairs, rotates q and k,
+    # stores q [M, HQ * 2 HALF] and writes k and v to the pools (ops/quant/gemv_epilogue.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if GATED:
-        pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2  # the output channel
-        rn = pair + (tl.arange(0, BLOCK_N) % 2) * (N // 2)  # gate row, up row, gate row, ...
-        n_ok = pair < N // 2
-    else:
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < N  # uniform along a row: the 16-byte loads stay vectorised
+    rn, n_ok = tile_rows(pid_n, N, BLOCK_N, GATED, ROPE, HALF)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     out_ok = m_ok[:, None] & n_ok[None, :]
@@ -287,8 +270,10 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
     else:
         bias = 0.0
     if SPLIT_K == 1:
-        _store(out_ptr, out_ptrs, acc * scale + bias, out_ok, pid_n, rm, m_ok, N, stride_om,
-               BLOCK_M, BLOCK_N, GATED)  # fmt: skip
+        store(out_ptr, out_ptrs, acc * scale + bias, out_ok, pid_n, rm, m_ok, N, stride_om,
+              cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, stride_ct, stride_st, stride_slot,
+              stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_M, BLOCK_N, GATED, ROPE, HQ,
+              HKV, HALF)  # fmt: skip
     else:
         ws = ws_ptr + rm[:, None] * N + rn[None, :]  # split s at ws + s * BLOCK_M * N
         tl.store(ws + pid_k * BLOCK_M * N, acc, mask=out_ok)
@@ -298,8 +283,10 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):  # split order: the same sum whoever arrives last
                 total += tl.load(ws + s * BLOCK_M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
-            _store(out_ptr, out_ptrs, total * scale + bias, out_ok, pid_n, rm, m_ok, N, stride_om,
-                   BLOCK_M, BLOCK_N, GATED)  # fmt: skip
+            store(out_ptr, out_ptrs, total * scale + bias, out_ok, pid_n, rm, m_ok, N,
+                  stride_om, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, stride_ct, stride_st,
+                  stride_slot, stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_M, BLOCK_N,
+                  GATED, ROPE, HQ, HKV, HALF)  # fmt: skip
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 
@@ -340,6 +327,7 @@ def gemv(
     dot: bool | None = None,
     stages: int | None = None,
     gated: bool = False,
+    rope: RopeKvTarget | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, M <= MAX_ROWS) @ weight [N, K].T (row-major) times
     scale [N] (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation. weight: e4m3 or int8 with
@@ -358,11 +346,18 @@ def gemv(
     for that loop (default: the table's, else Triton's). gated: weight (and scale, bias) hold
     [gate | up] rows, [2I, K]: the result is silu(gate) * up, [M, I], with the values of this
     product followed by ops.activation.silu_mul (a feed-forward's gate/up projection without the
-    SiLU-mul kernel); each program takes half its tile's channels from each half."""
+    SiLU-mul kernel); each program takes half its tile's channels from each half. rope: weight
+    is a [q | k | v] projection of full-rotary heads; returns the rotated q [M, Hq * D] and
+    writes k and v to rope's pools, the values of this product followed by ops.rope.rope_kv_write
+    (the rope + KV-write kernel fewer; ops/quant/gemv_epilogue.py)."""
     m, k = x.shape
     n = weight.shape[0]
     if gated and n % 2:
         raise ValueError(f"gemv: gated needs [gate | up] rows, an even count; weight has {n}")
+    if rope is not None:
+        if gated:
+            raise ValueError("gemv: gated and rope are two epilogues; pass one")
+        rope.check(x, n)
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_m = block_rows(m)
@@ -377,21 +372,25 @@ def gemv(
     scale_bn, scale_bk = block or (0, 0)
     if block is not None:
         block_n, block_k = block_slices(block_n, block_k, scale_bk)
-    if gated:
-        block_n = max(block_n, 2)  # a gate and an up row at least
-    num_blocks = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
+    paired = gated or rope is not None
+    if paired:
+        block_n = max(block_n, 2)  # a (gate, up) / (d, d + D / 2) pair at least
+    num_blocks = triton.cdiv(n // 2, block_n // 2) if paired else triton.cdiv(n, block_n)
     if k % (split * block_k) or split * block_m * n > WORKSPACE_FLOATS or num_blocks > MAX_COUNTERS:
         split = 1  # the split path needs whole slices per split and room for its partials
     ws = _workspace(x.device) if split > 1 else None
     if ws is None:
         split, ws = 1, (x, x)  # unused by the unsplit kernel
-    out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+    width = n // 2 if gated else n if rope is None else rope.num_q_heads * rope.k_pool.shape[2]
+    out = torch.empty((m, width), dtype=x.dtype, device=x.device)
     k_split = k // split if split > 1 else k
     dot = dot and dot_fits(block_n, block_k, k_split)
     stages = stages or (dot_stages(m, n, k, plain) if dot else None)
     extra = launch_args(x.device)
     if stages is not None:
         extra["num_stages"] = stages
+    if rope is not None:
+        extra.update(rope.launch_args())
     if extra["PDL"] and PREFETCH_LINES:
         span = k_split * weight.element_size() // 128  # whole lines in this program's split
         extra.update(PREFETCH=min(PREFETCH_LINES, 1 << max(span, 1).bit_length() - 1) if span else 0,

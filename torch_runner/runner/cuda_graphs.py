@@ -40,9 +40,9 @@ import numpy as np
 import torch
 
 from models.layers import GatedMLP, Rotary
+from ops.linear import linear_rope_kv
 from ops.moe import is_capturable
 from ops.paged_attention import impl_for as paged_impl_for
-from ops.rope import rope_kv_write
 from torch_runner.kv.caches import PagedKVPool, decode_from_pool
 from torch_runner.runner.graph_head import GraphHead, HeadInputs, run_head
 from torch_runner.runner.launched import resolve_placeholders_
@@ -83,12 +83,14 @@ class StaticPagedView:
         return decode_from_pool(self.pool, self.layer, self.write_slots, self.tables,
                                 self.kv_lens, q, k, v, sm_scale, sinks, window)  # fmt: skip
 
-    def attend_qkv(self, qkv, cos, signed_sin, num_q_heads: int, *, sm_scale: float,
-                   sinks=None, window=None):  # fmt: skip
-        """Unrotated qkv [B, Hq + 2 Hkv, D] and the rope rows [B, D_rot]: rotate q and k,
-        write k and v to the pool (one kernel on CUDA), attend -> [B, Hq, D]."""
+    def project_attend(self, x, weight, bias, cos, signed_sin, num_q_heads: int, *,
+                       sm_scale: float, sinks=None, window=None):  # fmt: skip
+        """x [B, hidden] through the [q | k | v] projection, q and k rotated by the rope rows
+        [B, D_rot], k and v written to the pool (ops.linear_rope_kv: on CUDA one or two
+        kernels), attend -> [B, Hq, D]."""
         k_pool, v_pool = self.pool.k_layers[self.layer], self.pool.v_layers[self.layer]
-        q = rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, self.write_slots, num_q_heads)
+        q = linear_rope_kv(x, weight, bias, cos, signed_sin, k_pool, v_pool, self.write_slots,
+                           num_q_heads)  # fmt: skip
         return paged_impl_for(q.device)(q, k_pool, v_pool, self.tables, self.kv_lens,
                                         block_size=self.pool.block_size, sm_scale=sm_scale,
                                         sinks=sinks, window=window)  # fmt: skip
