@@ -39,6 +39,7 @@ measures that checkout (before/after ratios from one call):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import tempfile
@@ -111,15 +112,19 @@ SAMPLING = {  # --sampling: what every request of a decode run asks for
 }
 
 
-def decode_run(engine: Engine, prompts, gen_len: int, sampling: str = "greedy", trace=None):
+def decode_run(engine: Engine, prompts, gen_len: int, sampling: str = "greedy", trace=None,
+               tokens: list | None = None):  # fmt: skip
     """Decode tok/s of one batch: (tokens after each request's first / time after the first;
     steady: tokens produced while every request was decoding / that time, i.e. from the step
-    where the last request got its first token to the first finish, the full batch only)."""
-    rids = set()
+    where the last request got its first token to the first finish, the full batch only).
+    `tokens`: filled with each request's generated ids, in prompt order."""
+    rids, order = set(), []
     for i, prompt in enumerate(prompts):
         seed = {"seed": i} if sampling == "seeded" else {}
         params = SamplingParams(max_tokens=gen_len, ignore_eos=True, **SAMPLING[sampling], **seed)
-        rids.add(engine.add_request(None, prompt, params))
+        order.append(engine.add_request(None, prompt, params))
+        rids.add(order[-1])
+    produced = {rid: [] for rid in order}
     started, t_first, t_full, steady = set(), None, None, 0
     while engine.has_unfinished():
         if trace is not None:
@@ -129,6 +134,7 @@ def decode_run(engine: Engine, prompts, gen_len: int, sampling: str = "greedy", 
             trace.end(t_full is not None and steady >= 0)
         for out in outputs:
             started.add(out.request_id)
+            produced[out.request_id].extend(out.delta_token_ids)
         if t_full is not None and steady >= 0:  # the full batch's window is still open
             steady += sum(len(o.delta_token_ids) for o in outputs)
             if any(o.finished for o in outputs):
@@ -139,6 +145,8 @@ def decode_run(engine: Engine, prompts, gen_len: int, sampling: str = "greedy", 
             t_first = t_full = time.perf_counter()
     torch.cuda.synchronize()
     total = len(prompts) * (gen_len - 1) / (time.perf_counter() - t_first)
+    if tokens is not None:
+        tokens[:] = [produced[rid] for rid in order]
     return total, steady_tok_s if steady < 0 else total
 
 
@@ -389,6 +397,7 @@ def main() -> None:
                    for _ in range(batch)]  # fmt: skip
         runs = {mode: [] for mode in modes}
         steady = {mode: [] for mode in modes}
+        tokens: list = []  # the last timed run's ids: a digest to compare builds / switches
         for mode in modes:  # graph capture, allocator, autotune
             engine.is_overlapped = mode
             decode_run(engine, prompts, args.warmup_gen or args.gen_len, sampling)
@@ -398,7 +407,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for mode in modes:
                 engine.is_overlapped = mode
-                total, full = decode_run(engine, prompts, args.gen_len, sampling, trace)
+                total, full = decode_run(engine, prompts, args.gen_len, sampling, trace, tokens)
                 runs[mode].append(total)
                 steady[mode].append(full)
                 if trace is not None:  # per-step medians / p90 / max of this run's window
@@ -421,6 +430,7 @@ def main() -> None:
                 extra = dict(overlap_over_sync=round(tok_s / medians[False], 3))
             print(json.dumps(dict(label=args.label, geometry=args.geometry, batch=batch, sampling=sampling,
                                   async_scheduling=mode, decode_tok_s=round(tok_s, 1),
+                                  tokens_sha=hashlib.sha256(repr(tokens).encode()).hexdigest()[:12],
                                   runs=[round(r, 1) for r in runs[mode]],
                                   steady_tok_s=round(statistics.median(steady[mode]), 1),
                                   steady_runs=[round(r, 1) for r in steady[mode]],

@@ -21,7 +21,8 @@ label, path = sys.argv[1], sys.argv[2]
 rows = [json.loads(line) for line in open(path) if line.startswith("{") and "decode_tok_s" in line]
 for r in rows:
     print(label, r["geometry"], "b", r["batch"], "tok/s", r["decode_tok_s"], r["runs"],
-          "steady", r["steady_tok_s"], "wGiB", r["weights_gib"], "peak", r["peak_gib"], r["gpu"])
+          "steady", r["steady_tok_s"], "wGiB", r["weights_gib"], "peak", r["peak_gib"], r["gpu"],
+          "tokens", r.get("tokens_sha"))
 if not rows:
     print(label, "NO RESULT:", open(path).read()[-600:])
 PY
