@@ -161,8 +161,9 @@ def clamped_swiglu(h, limit: float, alpha: float, bias=None, bias_rows=None) -> 
 def rope_pair_values(lo, hi, c_lo, s_lo, c_hi, s_hi, DTYPE: tl.constexpr):
     """Rotate-half rope of the column pairs (d, d + D_rot / 2) of DTYPE values lo, hi by their
     cos / signed-sin entries, rounded where `_rope_kv_kernel` (torch's bf16 rope) rounds ->
-    fp32 (the one-row GEMV's q/k/v epilogue, ops/quant/gemv_epilogue.py). Each product is rounded
-    to DTYPE before its add, so no FMA contraction can reach it (DTYPE bf16 / fp16 only)."""
+    fp32 (the one-row GEMV's q/k/v epilogue, ops/quant/gemv_epilogue.py). Compile the caller with
+    enable_fp_fusion=False, as the rope kernel is: on sm_90 Triton's FMA contraction reached the
+    products through the DTYPE rounding between them (1 ulp off torch's rope, H200 2026-12-07)."""
     lo, hi = lo.to(tl.float32), hi.to(tl.float32)
     c_lo, s_lo = c_lo.to(tl.float32), s_lo.to(tl.float32)
     c_hi, s_hi = c_hi.to(tl.float32), s_hi.to(tl.float32)
