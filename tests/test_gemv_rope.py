@@ -133,26 +133,28 @@ def test_cuda_qkv_with_rope_in_the_epilogue_equals_the_gemv_then_the_rope_kv_ker
 ):
     """ops.linear_rope_kv with the switch on, on an Fp8Weight / Int8Weight / bf16 weight at
     decode rows (the Llama-1B / 8B q/k/v projections and a small one): q and both pools equal
-    ops.linear followed by the rope + KV-write kernel bit for bit; where ops.linear ran the
-    GEMV, the rope GEMV ran (counted), and 9 rows (past the GEMV) take the two kernels."""
-    from ops.quant import fp8, gemv_triton, int_linear
+    ops.linear followed by the rope + KV-write kernel bit for bit; the rope kernel ran exactly
+    where ops.linear would not run the GEMV (9 rows, past the GEMV, take the two kernels)."""
+    from ops.quant import fp8, int_linear
 
-    monkeypatch.setattr(importlib.import_module("ops.linear"), "_ROPE_MODE", ["on"])
+    linear_module = importlib.import_module("ops.linear")
+    monkeypatch.setattr(linear_module, "_ROPE_MODE", ["on"])
     x, w, _, cos, sin, slots, kp, vp = rope_case(
         m, hq, hkv, d, k, "bf16", seed=m + d, device="cuda"
     )
     quantize = {"fp8": fp8.quantize_fp8, "int8": int_linear.quantize_int8}.get(kind)
     weight = quantize(w * 0.1) if quantize else w
-    calls = []
-    real = gemv_triton.gemv
-    monkeypatch.setattr(
-        gemv_triton, "gemv", lambda *a, **kw: calls.append(kw.get("rope")) or real(*a, **kw)
-    )
+    if quantize:
+        takes_gemv = weight.gemv_args(x) is not None
+    else:
+        takes_gemv = m == 1 and linear_module._route_for(x, weight, None) is not None
     qkv = ops.linear(x, weight)
-    unfused = len(calls)
     kp2, vp2 = kp.clone(), vp.clone()
     want = rope_kv_write(qkv.view(m, -1, d), cos, sin, kp, vp, slots, hq)
+    rope_module, calls = importlib.import_module("ops.rope"), []
+    real = rope_module.rope_kv_write
+    monkeypatch.setattr(rope_module, "rope_kv_write", lambda *a: calls.append(1) or real(*a))
     got = ops.linear_rope_kv(x, weight, None, cos, sin, kp2, vp2, slots, hq)
-    assert any(c is not None for c in calls[unfused:]) == (unfused > 0), calls
+    assert (not calls) == takes_gemv, (calls, takes_gemv)
     assert torch.equal(got, want)
     assert torch.equal(kp2, kp) and torch.equal(vp2, vp)
