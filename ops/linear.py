@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ops.activation import silu_mul
 from ops.fused import kernels_for
+from ops.rope import rope_kv_write
 
 PACK_ROWS_HINT = 8  # oneDNN picks the blocked layout for this many rows; 8 measured best for 1-512
 
@@ -154,8 +155,6 @@ def linear_rope_kv(x: torch.Tensor, weight, bias, cos, signed_sin, k_pool, v_poo
     where the product runs the Triton GEMV and `TORCH_RUNNER_GEMV_ROPE=on` (full-rotary heads,
     bf16 / fp16), the GEMV does all of it in its epilogue (one kernel, not two; the same values);
     otherwise `linear`, then ops.rope.rope_kv_write."""
-    from ops.rope import rope_kv_write
-
     t, d = x.shape[0], k_pool.shape[-1]
     full = cos.shape[-1] == d and x.dtype in (torch.bfloat16, torch.float16)
     if full and _rope_mode() == "on" and kernels_for(x) is not None:
