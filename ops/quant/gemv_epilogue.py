@@ -4,7 +4,8 @@ the kernel that would read them next into the store (one launch a layer fewer, s
 - GATED: [gate, up] column pairs -> silu(gate) * up (the SiLU-mul kernel's rounding).
 - ROPE: a q/k/v projection's columns as (d, d + D / 2) pairs of a head -> rope on q and k with
   the rope rows of each token, q stored to `out` [M, Hq * D], k and v written to the paged pool
-  at the token's slot: the values of `_rope_kv_kernel` (ops/fused) reading the GEMV's output.
+  at the token's slot: the values of `_rope_kv_kernel` (ops/fused) reading the GEMV's output,
+  provided the launch turns FMA contraction off as that kernel's does (gemv_triton.gemv does).
 
 Why the pairs: a program's tile holds whole (d, d + D / 2) pairs, so rotate-half needs no data
 from another program, no sync: the same trick as the gated tile's (gate, up) pairs.
