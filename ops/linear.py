@@ -162,9 +162,10 @@ def linear_rope_kv(x: torch.Tensor, weight, bias, cos, signed_sin, k_pool, v_poo
         from ops.quant.gemv_tiles import MAX_ROWS
 
         target = RopeKvTarget(cos, signed_sin, slots, k_pool, v_pool, num_q_heads)
-        q = _epilogue_gemv(x, weight, bias, lambda kind, m, n, k: m <= MAX_ROWS, rope=target)
-        if q is not None:
-            return q.view(t, num_q_heads, d)
+        if target.is_dense():
+            q = _epilogue_gemv(x, weight, bias, lambda kind, m, n, k: m <= MAX_ROWS, rope=target)
+            if q is not None:
+                return q.view(t, num_q_heads, d)
     qkv = linear(x, weight, bias).view(t, -1, d)  # [T, Hq + 2 Hkv, D]
     return rope_kv_write(qkv, cos, signed_sin, k_pool, v_pool, slots, num_q_heads)
 

@@ -76,7 +76,9 @@ if _workspaces:
     assert not _workspaces[torch.device("cpu")][1].any()  # the split calls reset their counters
 x, w, s, cos, sin, slots, kp, vp = rope_case(1, 4, 2, 16, 128, "fp8", seed=0)
 for bad, word in [(RopeKvTarget(cos, sin, slots, kp[:, :1], vp, 4), "Hkv"),
-                  (RopeKvTarget(cos[:, :8], sin[:, :8], slots, kp, vp, 4), "rotate all")]:
+                  (RopeKvTarget(cos[:, :8], sin[:, :8], slots, kp, vp, 4), "rotate all"),
+                  (RopeKvTarget(cos, sin, slots, kp.transpose(1, 2).contiguous().transpose(1, 2),
+                                vp, 4), "contiguous")]:
     try:
         gemv(x, w, s, rope=bad)
         raise SystemExit("a mismatched rope target passed")

@@ -130,6 +130,13 @@ class RopeKvTarget(NamedTuple):
             )
         if x.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"gemv rope: x must be bf16 or fp16; got {x.dtype}")
+        if not self.is_dense():
+            raise ValueError("gemv rope: the pools' and the rope rows' last dim must be contiguous")
+
+    def is_dense(self) -> bool:
+        """Whether the pools and the rope rows are contiguous along D (the store's addressing)."""
+        tensors = (self.k_pool, self.v_pool, self.cos, self.signed_sin)
+        return all(t.stride(-1) == 1 for t in tensors)
 
     def launch_args(self) -> dict:
         """_gemv's ROPE keyword arguments (pointers, strides, head counts)."""
