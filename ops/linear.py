@@ -152,7 +152,7 @@ def linear_rope_kv(x: torch.Tensor, weight, bias, cos, signed_sin, k_pool, v_poo
     """A decode q/k/v projection and what follows it: x [T, in] (one token a row) @ a
     [q | k | v] weight -> rope on q and k by the rows cos / signed_sin [T, D_rot], k and v
     written to k_pool / v_pool [slots, Hkv, D] at `slots` [T]; returns q [T, Hq, D]. On CUDA,
-    where the product runs the Triton GEMV and `TORCH_RUNNER_GEMV_ROPE=on` (full-rotary heads,
+    where the product runs the Triton GEMV (`TORCH_RUNNER_GEMV_ROPE`, default on; full-rotary heads,
     bf16 / fp16), the GEMV does all of it in its epilogue (one kernel, not two; the same values);
     otherwise `linear`, then ops.rope.rope_kv_write."""
     t, d = x.shape[0], k_pool.shape[-1]

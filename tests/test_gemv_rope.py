@@ -99,9 +99,9 @@ def test_the_switch_names_its_values(monkeypatch):
     from ops.quant import gemv_tiles
 
     monkeypatch.delenv(gemv_tiles.ENV_ROPE, raising=False)
-    assert gemv_tiles.rope_gemv_mode() == "off"
-    monkeypatch.setenv(gemv_tiles.ENV_ROPE, " On")
     assert gemv_tiles.rope_gemv_mode() == "on"
+    monkeypatch.setenv(gemv_tiles.ENV_ROPE, " Off")
+    assert gemv_tiles.rope_gemv_mode() == "off"
     monkeypatch.setenv(gemv_tiles.ENV_ROPE, "auto")
     with pytest.raises(
         ValueError, match="TORCH_RUNNER_GEMV_ROPE='auto': allowed values are off, on"

@@ -58,6 +58,7 @@ from ops.quant.gemv_tiles import (
     pick_bf16_config,
     pick_config,
     prefetch_lines,
+    preload_mode,
 )
 
 WORKSPACE_FLOATS = 2**22  # fp32 partials [SPLIT_K, BLOCK_M, N] of one split call (16 MiB)
@@ -77,6 +78,7 @@ FP8_BITS_MODE = fp8_bits_mode()  # where e4m3 is read by bit placement (gemv_til
 # PDL launches (ops/pdl.py): 128-byte lines of each weight row a program asks L2 for before it
 # waits for the previous kernel (0: none)
 PREFETCH_LINES = prefetch_lines()  # read once
+PRELOAD = preload_mode() == "on"  # the first weight slice before the PDL wait; read once
 
 
 # e4m3 weights by bit placement (E4M3_BITS, one row): the sign-extended byte shifted left 20 and
@@ -121,20 +123,46 @@ def _load_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr,
         k_ok = (cols < K)[None, :] & ok
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok)
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+    return _convert(w, WIDEN, E4M3_BITS), x
+
+
+@triton.jit
+def _convert(w, WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr):
+    """A loaded weight slice as the loop carries it (_load_slice)."""
     if WIDEN:
         w = w.to(tl.float16)
     if E4M3_BITS:
         w = _e4m3_bits_f32(w)
-    return w, x
+    return w
+
+
+@triton.jit
+def _first_slice(w_ptrs, x_ptrs, cols, n_ok, m_ok, K, ok, EVEN_K: tl.constexpr,
+                 WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """_load_slice of the first slice with its weights loaded before the PDL wait (pdl_enter):
+    no kernel writes weights, so their bytes stream in while the previous kernel finishes; x,
+    which the previous kernel writes, only after it."""
+    if EVEN_K:
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & ok)
+    else:
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & (cols < K)[None, :] & ok)
+    pdl_enter(PDL)
+    if EVEN_K:
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & ok, other=0.0)
+    else:
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & (cols < K)[None, :] & ok, other=0.0)
+    return _convert(w, WIDEN, E4M3_BITS), x
 
 
 @triton.jit
 def _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm, stride_wn,
                 stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BN: tl.constexpr,
-                SCALE_BK: tl.constexpr, WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr):  # fmt: skip
+                SCALE_BK: tl.constexpr, WIDEN: tl.constexpr, E4M3_BITS: tl.constexpr,
+                PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
     """This program's fp32 sums [BLOCK_M, BLOCK_N] over its split of K (block scales applied
-    per slice); E4M3_BITS: the weights read by bit placement, the sums still carry 2^-60."""
+    per slice); E4M3_BITS: the weights read by bit placement, the sums still carry 2^-60.
+    PRELOAD: the PDL wait happens here, after the first slice's weight loads (_first_slice)."""
     pid_k = tl.program_id(1)
     rk = pid_k * k_split + tl.arange(0, BLOCK_K)  # k_split: a multiple of BLOCK_K (host)
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
@@ -151,8 +179,12 @@ def _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm, 
     # register double buffering: the next slice's loads are issued before this slice's math, so
     # each program keeps two tiles in flight (Triton's pipeliner leaves loads that feed no dot
     # alone: num_stages changes nothing here, seen in the SASS)
-    w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk, n_ok, m_ok, K, k_split > 0, EVEN_K, WIDEN,
-                                 E4M3_BITS)  # fmt: skip
+    if PRELOAD:
+        w_next, x_next = _first_slice(w_ptrs, x_ptrs, rk, n_ok, m_ok, K, k_split > 0, EVEN_K,
+                                      WIDEN, E4M3_BITS, PDL)  # fmt: skip
+    else:
+        w_next, x_next = _load_slice(w_ptrs, x_ptrs, rk, n_ok, m_ok, K, k_split > 0, EVEN_K,
+                                     WIDEN, E4M3_BITS)  # fmt: skip
     for k0 in range(0, k_split, BLOCK_K):
         w, x = w_next, x_next
         w_ptrs += BLOCK_K
@@ -224,7 +256,8 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
           LINE: tl.constexpr = 128, GATED: tl.constexpr = False, cos_ptr=None, sin_ptr=None,
           slots_ptr=None, k_ptr=None, v_ptr=None, stride_ct=0, stride_st=0, stride_slot=0,
           stride_ks=0, stride_kh=0, stride_vs=0, stride_vh=0, ROPE: tl.constexpr = False,
-          HQ: tl.constexpr = 0, HKV: tl.constexpr = 0, HALF: tl.constexpr = 1):  # fmt: skip
+          HQ: tl.constexpr = 0, HKV: tl.constexpr = 0, HALF: tl.constexpr = 1,
+          PRELOAD: tl.constexpr = False):  # fmt: skip
     # HAS_SCALE False: a plain (bf16 / fp16) weight, no scale (s_ptr unused). SCALE_BK == 0: one
     # scale per channel, s[N]; else one per (SCALE_BN, SCALE_BK) block, s[ceil(N / SCALE_BN),
     # ceil(K / SCALE_BK)] (row stride stride_sn), BLOCK_K dividing SCALE_BK. HAS_BIAS: + b[N]
@@ -239,11 +272,12 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     out_ok = m_ok[:, None] & n_ok[None, :]
+    preload = PRELOAD and not DOT  # the FMA loop waits for the previous kernel itself
     if PREFETCH > 0:  # PDL: the first PREFETCH 128-byte lines of each weight row into L2 first
         lines = pid_k * k_split + tl.arange(0, PREFETCH) * LINE
         rows = tl.minimum(rn, N - 1).to(tl.int64)
         pdl_prefetch_enter(w_ptr + rows[:, None] * stride_wn + lines[None, :], PDL)
-    else:
+    elif not preload:
         pdl_enter(PDL)
     if DOT:
         acc = _accumulate_dot(x_ptr, w_ptr, rn, n_ok, M, k_split, stride_xm, stride_wn, BLOCK_M,
@@ -251,7 +285,8 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
     else:
         acc = _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm,
                           stride_wn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_SCALE,
-                          SCALE_BN, SCALE_BK, WIDEN and not E4M3_BITS, E4M3_BITS)  # fmt: skip
+                          SCALE_BN, SCALE_BK, WIDEN and not E4M3_BITS, E4M3_BITS,
+                          preload and PREFETCH == 0, PDL)  # fmt: skip
     if E4M3_BITS:
         acc = acc * E4M3_UNBIAS
     if E4M3_BITS or DOT:
@@ -328,6 +363,7 @@ def gemv(
     stages: int | None = None,
     gated: bool = False,
     rope: RopeKvTarget | None = None,
+    preload: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, M <= MAX_ROWS) @ weight [N, K].T (row-major) times
     scale [N] (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation. weight: e4m3 or int8 with
@@ -349,7 +385,8 @@ def gemv(
     SiLU-mul kernel); each program takes half its tile's channels from each half. rope: weight
     is a [q | k | v] projection of full-rotary heads; returns the rotated q [M, Hq * D] and
     writes k and v to rope's pools, the values of this product followed by ops.rope.rope_kv_write
-    (the rope + KV-write kernel fewer; ops/quant/gemv_epilogue.py)."""
+    (the rope + KV-write kernel fewer; ops/quant/gemv_epilogue.py). preload: the FMA loop's
+    first weight slice is loaded before the PDL wait (default: TORCH_RUNNER_GEMV_PRELOAD)."""
     m, k = x.shape
     n = weight.shape[0]
     if gated and n % 2:
@@ -411,5 +448,7 @@ def gemv(
                                and weight.dtype == torch.float8_e4m3fn
                                and (fp8_takes_bits(m, n, k, FP8_BITS_MODE) if bits is None
                                     else bits),
-                               DOT=dot, GATED=gated, num_warps=warps, **extra)  # fmt: skip
+                               DOT=dot, GATED=gated, num_warps=warps,
+                               PRELOAD=PRELOAD if preload is None else preload,
+                               **extra)  # fmt: skip
     return out
