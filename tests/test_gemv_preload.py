@@ -63,20 +63,6 @@ def test_preloaded_gemv_equals_the_plain_loop_in_the_interpreter():
     assert_interpreter_ok(INTERPRETER_CHECK)
 
 
-def test_the_switch_names_its_values(monkeypatch):
-    from ops.quant import gemv_tiles
-
-    monkeypatch.delenv(gemv_tiles.ENV_PRELOAD, raising=False)
-    assert gemv_tiles.preload_mode() == "on"
-    monkeypatch.setenv(gemv_tiles.ENV_PRELOAD, "OFF ")
-    assert gemv_tiles.preload_mode() == "off"
-    monkeypatch.setenv(gemv_tiles.ENV_PRELOAD, "1")
-    with pytest.raises(
-        ValueError, match="TORCH_RUNNER_GEMV_PRELOAD='1': allowed values are off, on"
-    ):
-        gemv_tiles.preload_mode()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["fp8", "int8", "bf16"])

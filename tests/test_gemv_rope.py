@@ -95,20 +95,6 @@ def test_rope_gemv_equals_the_gemv_then_the_rope_kv_kernel_in_the_interpreter():
     assert_interpreter_ok(INTERPRETER_CHECK)
 
 
-def test_the_switch_names_its_values(monkeypatch):
-    from ops.quant import gemv_tiles
-
-    monkeypatch.delenv(gemv_tiles.ENV_ROPE, raising=False)
-    assert gemv_tiles.rope_gemv_mode() == "on"
-    monkeypatch.setenv(gemv_tiles.ENV_ROPE, " Off")
-    assert gemv_tiles.rope_gemv_mode() == "off"
-    monkeypatch.setenv(gemv_tiles.ENV_ROPE, "auto")
-    with pytest.raises(
-        ValueError, match="TORCH_RUNNER_GEMV_ROPE='auto': allowed values are off, on"
-    ):
-        gemv_tiles.rope_gemv_mode()
-
-
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_off_cuda_linear_rope_kv_is_linear_then_rope_kv_write(kind, monkeypatch):
     """CPU, the switch on: the torch composition (linear, rotate, index_copy_ into the pools),

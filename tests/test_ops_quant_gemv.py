@@ -363,9 +363,6 @@ def test_a_chain_table_marks_how_one_row_reads_e4m3_per_shape(monkeypatch):
         ValueError, match="TORCH_RUNNER_GEMV_PREFETCH_LINES='12': allowed values are 0, 1, 2"
     ):
         gemv_tiles.prefetch_lines()
-    monkeypatch.setenv(gemv_tiles.ENV_FP8_BITS, "maybe")
-    with pytest.raises(ValueError, match="TORCH_RUNNER_GEMV_FP8_BITS='maybe'.*auto, on, off"):
-        gemv_tiles.fp8_bits_mode()
 
 
 @pytest.mark.gpu
