@@ -12,6 +12,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+from gemv_weights import random_weight
 from triton_interpreter import assert_interpreter_ok
 
 import ops
@@ -62,16 +63,11 @@ def gated_case(m: int, n: int, k: int, kind: str, seed: int, device="cpu"):
     bf16 (with a bias) and no scale; sums spread over SiLU's curve."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).bfloat16().to(device)
-    w = torch.randn(n, k, generator=gen)
+    w, scale = random_weight(n, k, kind, gen)
     if kind == "bf16":
         bias = torch.randn(n, generator=gen).bfloat16().to(device)
-        return x, (w * 0.3).bfloat16().to(device), None, bias
-    if kind == "int8":
-        q = (w * 40).round().clamp(-127, 127).to(torch.int8)
-        scale = 2 ** (torch.rand(n, generator=gen) * 2 - 6)
-        return x, q.to(device), scale.bfloat16().to(device), None
-    scale = 2 ** (torch.rand(n, generator=gen) * 2 - 4)
-    return x, w.to(torch.float8_e4m3fn).to(device), scale.to(device), None
+        return x, w.to(device), None, bias
+    return x, w.to(device), scale.to(device), None
 
 
 @pytest.mark.skipif(

@@ -11,6 +11,7 @@ import importlib.util
 
 import pytest
 import torch
+from gemv_weights import random_weight
 from triton_interpreter import assert_interpreter_ok
 
 HAS_CUDA = torch.cuda.is_available()
@@ -27,14 +28,7 @@ def preload_case(m, n, k, kind, seed, device="cpu"):
     """x [m, k] bf16 and a weight of `kind` with its per-channel scale (None for bf16)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).bfloat16()
-    w = torch.randn(n, k, generator=gen)
-    if kind == "bf16":
-        w, s = (w * 0.3).bfloat16(), None
-    elif kind == "int8":
-        w = (w * 40).round().clamp(-127, 127).to(torch.int8)
-        s = (2 ** (torch.rand(n, generator=gen) * 2 - 6)).bfloat16()
-    else:
-        w, s = w.to(torch.float8_e4m3fn), 2 ** (torch.rand(n, generator=gen) * 2 - 4)
+    w, s = random_weight(n, k, kind, gen)
     return x.to(device), w.to(device), None if s is None else s.to(device)
 
 

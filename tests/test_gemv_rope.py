@@ -13,6 +13,7 @@ import importlib.util
 
 import pytest
 import torch
+from gemv_weights import random_weight
 from triton_interpreter import assert_interpreter_ok
 
 import ops
@@ -35,14 +36,7 @@ def rope_case(m, hq, hkv, d, k, kind, seed, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     n = (hq + 2 * hkv) * d
     x = torch.randn(m, k, generator=gen).bfloat16()
-    w = torch.randn(n, k, generator=gen)
-    if kind == "bf16":
-        w, s = (w * 0.3).bfloat16(), None
-    elif kind == "int8":
-        w = (w * 40).round().clamp(-127, 127).to(torch.int8)
-        s = (2 ** (torch.rand(n, generator=gen) * 2 - 6)).bfloat16()
-    else:
-        w, s = w.to(torch.float8_e4m3fn), 2 ** (torch.rand(n, generator=gen) * 2 - 4)
+    w, s = random_weight(n, k, kind, gen)
     pos = torch.randint(0, 4000, (m,), generator=gen)
     angle = pos[:, None].float() * 1e4 ** (-torch.arange(0, d, 2).float() / d)[None]  # [m, d/2]
     cos = torch.cat([angle.cos(), angle.cos()], -1).bfloat16()
