@@ -1,6 +1,7 @@
 """The GEMV's first weight slice loaded before the PDL wait (`TORCH_RUNNER_GEMV_PRELOAD`,
-ops/quant/gemv_triton._first_slice): the same values as the plain loop, bit for bit, for fp8 /
-int8 / bf16 weights, e4m3 bit placement, uneven K, split-K, several rows and both epilogues; on
+ops/quant/gemv_triton._first_slice, and the tensor-core loop's first slice taken out of its
+loop): the same values as the plain loops, bit for bit, for fp8 / int8 / bf16 weights, e4m3 bit
+placement, uneven K, split-K, several rows and both epilogues; on
 CPU through Triton's interpreter (skipped where triton is not installed, as in CI), on CUDA for
 real (`pytest -m gpu`), where a CUDA graph of PDL launches checks that x is read after the wait.
 """
@@ -24,6 +25,14 @@ PRELOAD_CASES = [(1, 48, 256, (8, 64, 1, 1), "fp8", False), (3, 40, 200, (8, 64,
                  (2, 32, 256, (8, 64, 1, 2), "bf16", False)]  # fmt: skip
 
 
+# (M, N, K, tile, kind) for the tensor-core loop: one slice, several, split-K, rows, int8 (not
+# bf16 weights: Triton 3.6's interpreter returns no product for a bf16 tl.dot, ~1e11 off; the
+# GPU test below and test_ops_quant_gemv's check them)
+DOT_CASES = [(1, 32, 64, (16, 64, 1, 1), "fp8"), (1, 48, 256, (16, 64, 1, 1), "fp8"),
+             (1, 64, 256, (32, 32, 2, 2), "fp8"), (3, 32, 128, (16, 32, 1, 1), "int8"),
+             (2, 32, 192, (16, 64, 1, 1), "fp8")]  # fmt: skip
+
+
 def preload_case(m, n, k, kind, seed, device="cpu"):
     """x [m, k] bf16 and a weight of `kind` with its per-channel scale (None for bf16)."""
     gen = torch.Generator().manual_seed(seed)
@@ -34,7 +43,7 @@ def preload_case(m, n, k, kind, seed, device="cpu"):
 
 INTERPRETER_CHECK = """
 import torch
-from test_gemv_preload import PRELOAD_CASES, preload_case
+from test_gemv_preload import DOT_CASES, PRELOAD_CASES, preload_case
 from ops.quant.gemv_triton import gemv
 for i, (m, n, k, cfg, kind, bits) in enumerate(PRELOAD_CASES):
     x, w, s = preload_case(m, n, k, kind, seed=i)
@@ -46,6 +55,13 @@ for i, (m, n, k, cfg, kind, bits) in enumerate(PRELOAD_CASES):
     if kind != "int8" and n % 2 == 0:  # the gated epilogue reads the same slices
         want = gemv(x, w, s, cfg, dot=False, gated=True, preload=False)
         assert torch.equal(gemv(x, w, s, cfg, dot=False, gated=True, preload=True), want), i
+for i, (m, n, k, cfg, kind) in enumerate(DOT_CASES):  # the tensor-core loop, its first slice peeled
+    x, w, s = preload_case(m, n, k, kind, seed=40 + i)
+    want = gemv(x, w, s, cfg, dot=True, preload=False)
+    got = gemv(x, w, s, cfg, dot=True, preload=True)
+    assert torch.equal(got, want), ("dot", i, (got - want).abs().max())
+    ref = (x.float() @ w.float().T) * (1 if s is None else s.float())
+    assert torch.allclose(got.float(), ref, rtol=2e-2, atol=2e-2), ("dot", i)
 print("ok")
 """
 
@@ -60,7 +76,11 @@ def test_preloaded_gemv_equals_the_plain_loop_in_the_interpreter():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["fp8", "int8", "bf16"])
-@pytest.mark.parametrize("n,k", [(2048, 2048), (3072, 2048), (2048, 8192), (6144, 4096), (40, 300)])
+# the last two: the tensor-core loop's fp8 shapes (Llama-1B gate/up, Llama-8B down)
+@pytest.mark.parametrize(
+    "n,k", [(2048, 2048), (3072, 2048), (2048, 8192), (6144, 4096), (40, 300), (16384, 2048),
+            (4096, 14336)]
+)  # fmt: skip
 def test_cuda_preload_in_a_pdl_graph_chain_equals_the_plain_loop(kind, n, k):
     """A CUDA graph of two GEMVs, the second reading the first's output (PDL launches where the
     GPU has them): with the second preloading, every replay with a new input equals the plain

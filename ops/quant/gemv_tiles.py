@@ -177,11 +177,13 @@ PRELOAD_MODES = ("off", "on")
 
 
 def preload_mode() -> str:
-    """ENV_PRELOAD: whether a GEMV program on the FMA loop loads its first weight slice before it
-    waits for the previous kernel under PDL (ops/pdl.py), so those bytes stream in while that
-    kernel finishes (x, which it writes, is read after the wait). The same values either way.
-    H100, batch-1 decode, one call (2026-12-07), off / on tok/s: Llama-1B fp8 1,345.9 / 1,370.5,
-    bf16 915.5 / 946.6; 8B fp8 305.6 / 309.4, bf16 186.3 / 189.7; the same greedy tokens."""
+    """ENV_PRELOAD: whether a GEMV program loads its first weight slice before it waits for the
+    previous kernel under PDL (ops/pdl.py), so those bytes stream in while that kernel finishes
+    (x, which it writes, is read after the wait). The same values either way. H100, batch-1
+    decode, the same greedy tokens: the FMA loop (one call, 2026-12-07), off / on tok/s:
+    Llama-1B fp8 1,345.9 / 1,370.5, bf16 915.5 / 946.6; 8B fp8 305.6 / 309.4, bf16 186.3 /
+    189.7; then the tensor-core loop too (another call, both orders): 8B fp8 311.7 / 315.3-315.5,
+    1B fp8 1,380.4 / 1,386.2."""
     return env_choice(ENV_PRELOAD, "on", PRELOAD_MODES)
 
 

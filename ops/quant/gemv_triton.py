@@ -27,8 +27,8 @@ No host sync; the grid depends on N and M only, so CUDA graphs capture it.
 The tensor-core loop (DOT, `_accumulate_dot`): the same tiles fed to tl.dot as fp16 (1-byte
 weights) or bf16 slices against x as 16 columns, one per row. The FMA loop above costs ~4.6
 sm_90 instructions a weight and is issue-bound on the H200's bandwidth; the dot is not (the
-wide one-row fp8 shapes 1.10-1.14x faster, gemv_tiles.FP8_READS). Under PDL (ops/pdl.py) every
-program asks L2 for the start of its weight rows, then waits for the previous kernel.
+wide one-row fp8 shapes 1.10-1.14x faster, gemv_tiles.FP8_READS). Under PDL (ops/pdl.py) either
+loop loads its first weight slice, then waits for the previous kernel, then reads x (PRELOAD).
 
 Tiles (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) per shape come from ops/quant/gemv_tiles.py (measured
 on the H200 by tools/bench_fp8_linear.py's sweep, bf16 by tools/bench_gemv.py's, with a rule for
@@ -214,14 +214,40 @@ def _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm, 
 
 
 @triton.jit
+def _dot_slice(w, x, acc):
+    """acc + w @ x on the tensor cores: bf16 weights as they are, 1-byte ones as fp16 (exact)."""
+    if w.dtype == tl.bfloat16:
+        return tl.dot(w, x.to(tl.bfloat16), acc)
+    return tl.dot(w.to(tl.float16), x.to(tl.float16), acc)
+
+
+@triton.jit
+def _dot_loop(w_ptrs, x_ptrs, n_ok, x_ok, acc, start, k_split, BLOCK_K: tl.constexpr):
+    """acc + the slices from column `start` to `k_split` of this program's split (pipelined)."""
+    for _k0 in range(start, k_split, BLOCK_K):
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        acc = _dot_slice(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _accumulate_dot(x_ptr, w_ptr, rn, n_ok, M, k_split, stride_xm, stride_wn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
     """This program's fp32 sums [BLOCK_M, BLOCK_N] on the tensor cores: [BLOCK_N, BLOCK_K]
     weight slices (1-byte ones converted to fp16 as loaded, exact) times x as [BLOCK_K, 16]
     columns, column m holding row m (x converted to the slice's dtype: exact for bf16 x in
     fp16's normal range; |x| > 65504 gives inf, which the caller reruns); whole slices only
     (EVEN_K). The dot pays 16 columns for one row, but the tensor cores have the rate to spare;
-    what it saves is the per-weight multiply-add and fp32 widening of the FMA loop."""
+    what it saves is the per-weight multiply-add and fp32 widening of the FMA loop. PRELOAD:
+    the first slice is taken out of the loop, its weights loaded before the PDL wait (here) and
+    its x after, and multiplied first (the same sums in the same order); the loop, which Triton
+    pipelines, starts at the second. Multiplied after the loop instead, so that the pipeline's
+    first loads are not held up behind it, it was no faster (H100, Llama-8B fp8 batch 1: 314.7
+    against 315.3 tok/s, other tokens)."""
     pid_k = tl.program_id(1)
     rk = pid_k * k_split + tl.arange(0, BLOCK_K)
     cols = tl.arange(0, 16)
@@ -229,15 +255,14 @@ def _accumulate_dot(x_ptr, w_ptr, rn, n_ok, M, k_split, stride_xm, stride_wn,
     x_ptrs = x_ptr + cols[None, :] * stride_xm + rk[:, None]  # [BLOCK_K, 16]
     x_ok = (cols < M)[None, :]
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for _k0 in range(0, k_split, BLOCK_K):
-        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
-        if w_ptr.dtype.element_ty == tl.bfloat16:
-            acc = tl.dot(w, x.to(tl.bfloat16), acc)
-        else:
-            acc = tl.dot(w.to(tl.float16), x.to(tl.float16), acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    if PRELOAD:  # k_split >= BLOCK_K (whole slices, dot_fits)
+        w0 = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        pdl_enter(PDL)
+        acc = _dot_slice(w0, tl.load(x_ptrs, mask=x_ok, other=0.0), acc)
+        acc = _dot_loop(w_ptrs + BLOCK_K, x_ptrs + BLOCK_K, n_ok, x_ok, acc, BLOCK_K, k_split,
+                        BLOCK_K)  # fmt: skip
+    else:
+        acc = _dot_loop(w_ptrs, x_ptrs, n_ok, x_ok, acc, 0, k_split, BLOCK_K)
     rm = tl.arange(0, BLOCK_M)
     out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for m in tl.static_range(BLOCK_M):  # row m of the product is column m of acc
@@ -272,7 +297,7 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     out_ok = m_ok[:, None] & n_ok[None, :]
-    preload = PRELOAD and not DOT  # the FMA loop waits for the previous kernel itself
+    preload = PRELOAD and PREFETCH == 0  # then the loop waits for the previous kernel itself
     if PREFETCH > 0:  # PDL: the first PREFETCH 128-byte lines of each weight row into L2 first
         lines = pid_k * k_split + tl.arange(0, PREFETCH) * LINE
         rows = tl.minimum(rn, N - 1).to(tl.int64)
@@ -281,12 +306,12 @@ def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_spl
         pdl_enter(PDL)
     if DOT:
         acc = _accumulate_dot(x_ptr, w_ptr, rn, n_ok, M, k_split, stride_xm, stride_wn, BLOCK_M,
-                              BLOCK_N, BLOCK_K)  # fmt: skip
+                              BLOCK_N, BLOCK_K, preload, PDL)  # fmt: skip
     else:
         acc = _accumulate(x_ptr, w_ptr, s_ptr, rn, rm, n_ok, m_ok, K, k_split, stride_xm,
                           stride_wn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_SCALE,
-                          SCALE_BN, SCALE_BK, WIDEN and not E4M3_BITS, E4M3_BITS,
-                          preload and PREFETCH == 0, PDL)  # fmt: skip
+                          SCALE_BN, SCALE_BK, WIDEN and not E4M3_BITS, E4M3_BITS, preload,
+                          PDL)  # fmt: skip
     if E4M3_BITS:
         acc = acc * E4M3_UNBIAS
     if E4M3_BITS or DOT:
@@ -385,8 +410,8 @@ def gemv(
     SiLU-mul kernel); each program takes half its tile's channels from each half. rope: weight
     is a [q | k | v] projection of full-rotary heads; returns the rotated q [M, Hq * D] and
     writes k and v to rope's pools, the values of this product followed by ops.rope.rope_kv_write
-    (the rope + KV-write kernel fewer; ops/quant/gemv_epilogue.py). preload: the FMA loop's
-    first weight slice is loaded before the PDL wait (default: TORCH_RUNNER_GEMV_PRELOAD)."""
+    (the rope + KV-write kernel fewer; ops/quant/gemv_epilogue.py). preload: the first weight
+    slice is loaded before the PDL wait, in either loop (default: TORCH_RUNNER_GEMV_PRELOAD)."""
     m, k = x.shape
     n = weight.shape[0]
     if gated and n % 2:
