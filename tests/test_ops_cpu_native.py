@@ -184,6 +184,36 @@ def test_fused_rms_norm_and_silu_mul_vs_torch_and_fp64(lib, dtype, h):
     assert ((got.double() - want64).abs() <= ulp * want64.abs() + 1e-6).all()
 
 
+@pytest.mark.parametrize("h", [576, 13])
+def test_bf16_outputs_are_the_fp32_results_rounded_like_torch(lib, h):
+    """The small ops' bf16 outputs (rounded in registers, 8 at a time; the tail one by one) are
+    their fp32 results (the same template on the widened inputs) rounded by torch's .to(bf16):
+    bit for bit, infinities and signed zeros included; NaN where torch has NaN (its payload
+    bits differ between torch's own conversions)."""
+
+    def same_bits(a, b):
+        nan = a.isnan()
+        assert torch.equal(nan, b.isnan())
+        assert torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])
+
+    torch.manual_seed(h)
+    x, w = (torch.randn(4, h) * 3).bfloat16(), torch.randn(h).bfloat16()
+    x[1, 3], x[2, 5], x[3] = float("nan"), float("inf"), x[3] * 2.0**100  # NaN, inf, huge rows
+    got = lib.rms_norm(x, w, 1e-5)
+    same_bits(got, lib.rms_norm(x.float(), w.float(), 1e-5).bfloat16())
+    gate_up = (torch.randn(4, 2 * h) * 4).bfloat16()
+    gate_up[0, 1], gate_up[1, h + 2], gate_up[2] = float("nan"), float("-inf"), 3e38
+    got = lib.silu_mul(gate_up)
+    same_bits(got, lib.silu_mul(gate_up.float()).bfloat16())
+    # exact ties: silu(68) is 68 in fp32, so each output is the fp32 product 68 * u, which for
+    # some u in [1, 2) lies halfway between two bf16 values (round to even, not up)
+    u = 1.0 + torch.arange(128) / 128.0
+    gate_up = torch.cat([torch.full((128,), 68.0), u]).bfloat16().view(1, -1)
+    product = (68.0 * u).view(torch.int32)
+    assert ((product & 0xFFFF) == 0x8000).sum() >= 4  # ties present (7)
+    same_bits(lib.silu_mul(gate_up), lib.silu_mul(gate_up.float()).bfloat16())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("row_lens,d", [((9, 1, 5), 64), ((700, 1, 263), 64), ((300, 17), 72)])
 def test_decode_attention_writes_the_pool_and_matches_fp64(lib, dtype, row_lens, d):
