@@ -19,7 +19,7 @@ inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32: the 16 bits shif
 }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 // fp32 -> bf16 rounded to nearest even, as c10::BFloat16(float): bits + 0x7FFF + (bit 16), the
-// top half; NaN -> 0x7FC0. In registers (the scalar conversion a value cost ~1% of a bf16 step)
+// top half; NaN -> 0x7FC0. In registers, where it was eight scalar conversions (not timed alone)
 inline void store8(c10::BFloat16* p, __m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
