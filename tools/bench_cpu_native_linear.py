@@ -1,8 +1,9 @@
 """GB/s of the CPU native linears (ops/cpu_native: torch.ops.torch_runner_native) at one row,
 over distinct DRAM-resident copies of the default model's decode matrices (SmolLM2-135M: q/k/v
 960 x 576, o 576 x 576, gate/up 3072 x 576, down 576 x 1536), so every call streams its weight
-from memory as a decode step does. fp32 / bf16 weights (dense_linear) and int8 codes
-(int8_linear, q8 activation blocks); one sweep calls every copy once; median of --sweeps.
+from memory as a decode step does. fp32 / bf16 weights (dense_linear), int8 codes (int8_linear)
+and int4 blocks (int4_linear), both on q8 activation blocks; one sweep calls every copy once;
+median of --sweeps.
 
 Why: a decode step's layers on a 2-core box are these kernels back to back; their streaming rate
 against fp32's (which reaches the box's bandwidth) says whether a kernel or the memory bounds them.
@@ -32,6 +33,10 @@ def matrices(kind: str, copies: int, gen: torch.Generator) -> list[tuple]:
             if kind == "int8":
                 codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
                 mats.append((codes, torch.rand(n, generator=gen) * 0.01, k))
+            elif kind == "int4":  # qs [N, K / 32, 16] (two codes a byte), dm fp16 [N, 2, K / 32]
+                qs = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=gen)
+                dm = (torch.rand(n, 2, k // 32, generator=gen) * 0.01).half()
+                mats.append((qs, dm, k))
             else:
                 dtype = torch.bfloat16 if kind == "bf16" else torch.float32
                 mats.append((torch.randn(n, k, generator=gen).to(dtype), k))
@@ -43,6 +48,8 @@ def sweep(ops, kind: str, mats, xs) -> float:
     for m in mats:
         if kind == "int8":
             ops.int8_linear(xs[m[2]], m[0], m[1], m[2], None, None, False)
+        elif kind == "int4":
+            ops.int4_linear(xs[m[2]], m[0], m[1], None, None)
         else:
             ops.dense_linear(xs[m[1]], m[0], None, None)
     return time.perf_counter() - t0
@@ -50,7 +57,9 @@ def sweep(ops, kind: str, mats, xs) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--kinds", default="int8,bf16,fp32", help="comma list of int8, bf16, fp32")
+    parser.add_argument(
+        "--kinds", default="int8,bf16,fp32", help="comma list of int8, int4, bf16, fp32"
+    )
     parser.add_argument("--copies", type=int, default=24, help="distinct matrices per shape")
     parser.add_argument("--sweeps", type=int, default=15)
     args = parser.parse_args()
@@ -59,12 +68,12 @@ def main() -> None:
         raise SystemExit("the native kernels did not build or this CPU has no AVX2 (see the log)")
     gen = torch.Generator().manual_seed(0)
     for kind in args.kinds.split(","):
-        if kind not in ("int8", "bf16", "fp32"):
-            raise SystemExit(f"--kinds: {kind!r} is not one of int8, bf16, fp32")
+        if kind not in ("int8", "int4", "bf16", "fp32"):
+            raise SystemExit(f"--kinds: {kind!r} is not one of int8, int4, bf16, fp32")
         mats = matrices(kind, args.copies, gen)
         x_dtype = torch.float32 if kind == "fp32" else torch.bfloat16
         xs = {k: torch.randn(1, k, generator=gen).to(x_dtype) for _, k in SHAPES}
-        size = sum(m[0].numel() * m[0].element_size() for m in mats)
+        size = sum(m[0].nbytes + (m[1].nbytes if kind == "int4" else 0) for m in mats)
         for _ in range(3):
             sweep(ops, kind, mats, xs)
         times = [sweep(ops, kind, mats, xs) for _ in range(args.sweeps)]

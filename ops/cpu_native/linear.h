@@ -116,7 +116,7 @@ inline void dense_dot(const W* w, int64_t k, const float* x, float* out) {
   }
 }
 
-// bf16_dot and int8_dot ask for the same columns of the row block TR_PF_ROWS rows on (run_rows'
+// bf16_dot, int8_dot and int4_dot ask for the same columns of the row block TR_PF_ROWS rows on (run_rows'
 // next block, which a thread walks in order) as they read their own: on a 2-core AVX2 Zen 3 the
 // hardware prefetcher alone left the short SmolLM2 rows (576-1,536 values) at ~9 GB/s (int8) and
 // ~14 (bf16) against fp32's ~22; with it ~12.5 and ~16.5 (tools/bench_cpu_native_linear.py, log
@@ -215,6 +215,7 @@ inline void int4_dot(const uint8_t* qs, const uint16_t* dm, int64_t nb, const in
     __m256 scale[R];
     for (int r = 0; r < R; ++r) {
       const uint16_t* d = dm + r * 2 * nb + b0;
+      _mm_prefetch(reinterpret_cast<const char*>(d + TR_PF_ROWS * 2 * nb), _MM_HINT_T0);
       scale[r] = _mm256_mul_ps(
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))), dx8);
       macc[r] = _mm256_fmadd_ps(
@@ -225,6 +226,9 @@ inline void int4_dot(const uint8_t* qs, const uint16_t* dm, int64_t nb, const in
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
       const __m256i lane = _mm256_set1_epi32(j);
       for (int r = 0; r < R; ++r) {
+        if ((j & 3) == 0) {  // one 64-byte line of codes is 4 blocks
+          _mm_prefetch(reinterpret_cast<const char*>(qs + ((r + TR_PF_ROWS) * nb + b) * 16), _MM_HINT_T0);
+        }
         const __m256i dot =
             _mm256_madd_epi16(_mm256_maddubs_epi16(int4_codes(qs + (r * nb + b) * 16), xv), ones);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
