@@ -116,15 +116,12 @@ inline void dense_dot(const W* w, int64_t k, const float* x, float* out) {
   }
 }
 
-// bf16_dot, int8_dot and int4_dot ask for the same columns of the row block TR_PF_ROWS rows on (run_rows'
+// bf16_dot, int8_dot and int4_dot ask for the same columns of the row block kRows rows on (run_rows'
 // next block, which a thread walks in order) as they read their own: on a 2-core AVX2 Zen 3 the
 // hardware prefetcher alone left the short SmolLM2 rows (576-1,536 values) at ~9 GB/s (int8) and
 // ~14 (bf16) against fp32's ~22; with it ~12.5 and ~16.5 (tools/bench_cpu_native_linear.py, log
-// session 27). fp32 rows (twice the bytes) measured no gain and do not prefetch. A prefetch past
-// the matrix's end is a hint, never a fault
-#ifndef TR_PF_ROWS
-#define TR_PF_ROWS 4
-#endif
+// session 27). fp32 rows (twice the bytes) measured no gain and do not prefetch; 8 rows on was
+// no better. A prefetch past the matrix's end is a hint, never a fault
 
 // bf16 weights: one 32-byte load is 16 values, lane i holding values 2i (low half) and 2i + 1;
 // shifting up / masking gives both as fp32 (2 ops, no widening shuffle), times x's even / odd
@@ -139,7 +136,7 @@ inline void bf16_dot(const c10::BFloat16* w, int64_t k, const float* xrow, float
   for (int64_t j = 0; j < k16; j += 16) {
     const __m256 e = _mm256_loadu_ps(xe + j / 2), o = _mm256_loadu_ps(xo + j / 2);
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (r + TR_PF_ROWS) * k + j), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * k + j), _MM_HINT_T0);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * k + j));
       a0[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), e, a0[r]);
       a1[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), o, a1[r]);
@@ -179,7 +176,7 @@ inline void int8_dot(const int8_t* w, int64_t kp, const int8_t* xq, const float*
     const __m256i ax = _mm256_sign_epi8(xv, xv);  // |x| (x in -127..127)
     const __m256 dx = _mm256_broadcast_ss(xd + b);
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (r + TR_PF_ROWS) * kp + b * kBlock), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * kp + b * kBlock), _MM_HINT_T0);
       const __m256i wv =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * kp + b * kBlock));
       const __m256i prod = kFull ? _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv))
@@ -215,7 +212,7 @@ inline void int4_dot(const uint8_t* qs, const uint16_t* dm, int64_t nb, const in
     __m256 scale[R];
     for (int r = 0; r < R; ++r) {
       const uint16_t* d = dm + r * 2 * nb + b0;
-      _mm_prefetch(reinterpret_cast<const char*>(d + TR_PF_ROWS * 2 * nb), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(d + kRows * 2 * nb), _MM_HINT_T0);
       scale[r] = _mm256_mul_ps(
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))), dx8);
       macc[r] = _mm256_fmadd_ps(
@@ -227,7 +224,7 @@ inline void int4_dot(const uint8_t* qs, const uint16_t* dm, int64_t nb, const in
       const __m256i lane = _mm256_set1_epi32(j);
       for (int r = 0; r < R; ++r) {
         if ((j & 3) == 0) {  // one 64-byte line of codes is 4 blocks
-          _mm_prefetch(reinterpret_cast<const char*>(qs + ((r + TR_PF_ROWS) * nb + b) * 16), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(qs + ((r + kRows) * nb + b) * 16), _MM_HINT_T0);
         }
         const __m256i dot =
             _mm256_madd_epi16(_mm256_maddubs_epi16(int4_codes(qs + (r * nb + b) * 16), xv), ones);
