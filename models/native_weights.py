@@ -1,5 +1,11 @@
 """Dense fp32 / bf16 decode matmuls onto the native CPU GEMV (ops/cpu_native), in place.
 
+With the AVX2 kernels (ops/cpu_native/build.isa) the decoder's matrices are re-tiled for the
+GEMV (NativePackedDenseWeight: one weight stream per row block, linear.h says why) and the
+q/k/v and gate/up parameters, views of the fused matrices, become `meta` placeholders as
+oneDNN packing leaves them (memory neutral; the state dict is no longer a checkpoint). The
+tied lm_head keeps the embedding's rows (packing it would hold the vocabulary twice).
+
 Why: on the AVX2-only box MKL / oneDNN streamed the batch-1 matrices at 12-19 GB/s around a
 large per-call overhead; the native GEMV is the same fp32-accumulated product (summation order
 aside) without it (docs/performance-log.md, 2026-12-03 cpunative). Each weight is wrapped, not
@@ -14,54 +20,74 @@ import torch
 from torch import nn
 
 from models.layers import Attention, GatedMLP, PackedHead
-from ops.cpu_native import hugepages
-from ops.cpu_native.weights import NativeDenseWeight
+from models.quantize import return_freed_memory
+from ops.cpu_native import build, hugepages
+from ops.cpu_native.weights import NativeDenseWeight, NativePackedDenseWeight
 from ops.quant.int_linear import QuantizedLinearWeight
 
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+def packs_dense() -> bool:
+    """Whether the decoder's matrices are tiled (NativePackedDenseWeight): with the AVX2 kernels,
+    where it was measured (TORCH_RUNNER_CPU_ISA=avx2 picks them on an AVX-512 CPU too)."""
+    return build.isa() == "avx2"
+
+
 def native_linear_weights(model: nn.Module) -> int:
     """Wrap every fused q/k/v and gate/up matrix, o_proj, down_proj and the lm_head (a tied one:
-    the embedding matrix, shared) in NativeDenseWeight; returns how many were wrapped."""
+    the embedding matrix, shared) in NativeDenseWeight, or NativePackedDenseWeight where
+    `packs_dense()` (all but a tied head); returns how many were wrapped."""
     count = 0
+    tiles = packs_dense()
 
-    def wrap(weight):
+    def wrap(weight, pack: bool):
         nonlocal count
         if not isinstance(weight, torch.Tensor) or weight.dtype not in DTYPES:
             return weight
         count += 1
+        n, k = weight.shape
+        if pack and tiles and n % 4 == 0 and k % 16 == 0:
+            return NativePackedDenseWeight(weight)
         return NativeDenseWeight(weight)
 
-    def wrap_param(linear: nn.Linear) -> None:
-        value = wrap(linear.weight)
+    def wrap_param(linear: nn.Linear, pack: bool = True) -> None:
+        value = wrap(linear.weight, pack)
         if not isinstance(value, torch.Tensor):
             del linear.weight  # a parameter slot only takes tensors
             linear.weight = value
 
-    def wrap_buffer(module: nn.Module, name: str) -> None:
-        value = wrap(getattr(module, name))
+    def wrap_buffer(module: nn.Module, name: str, parts=(), pack: bool = True) -> None:
+        value = wrap(getattr(module, name), pack)
         if not isinstance(value, torch.Tensor):
             module._buffers.pop(name, None)
             setattr(module, name, value)
+        if isinstance(value, NativePackedDenseWeight):  # the parts' views would pin the rows
+            for lin in parts:
+                meta = torch.empty(lin.weight.shape, dtype=lin.weight.dtype, device="meta")
+                lin.weight = nn.Parameter(meta, requires_grad=False)
 
     for module in list(model.modules()):
+        if tiles and isinstance(module, (Attention, GatedMLP)):
+            return_freed_memory()  # the rows each packed copy replaced (peak: weights + one matrix)
         if isinstance(module, Attention):
             if module.qkv_weight is None:
                 module.fuse()
-            wrap_buffer(module, "qkv_weight")
+            wrap_buffer(module, "qkv_weight", (module.q_proj, module.k_proj, module.v_proj))
             wrap_param(module.o_proj)
         elif isinstance(module, GatedMLP):
             if module.gate_up_weight is None:
                 module.fuse()
-            wrap_buffer(module, "gate_up_weight")
+            wrap_buffer(module, "gate_up_weight", (module.gate_proj, module.up_proj))
             wrap_param(module.down_proj)
     head = getattr(model, "lm_head", False)
     if head is None:  # tied: the embedding is also the lm_head
         model.lm_head = PackedHead(model.model.embed_tokens.weight)
-        wrap_buffer(model.lm_head, "weight")
+        wrap_buffer(model.lm_head, "weight", pack=False)
     elif isinstance(head, nn.Linear):
         wrap_param(head)
+    if tiles:
+        return_freed_memory()
     return count
 
 

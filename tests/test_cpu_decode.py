@@ -9,7 +9,9 @@ import pytest
 import torch
 from engine_helpers import hf_greedy, run_staggered, save_engine_checkpoint
 
+from models import native_weights
 from ops.cpu_native import build
+from ops.cpu_native.weights import NativePackedDenseWeight
 from torch_runner import Engine, SamplingParams
 from torch_runner.runner.cpu_decode import supports_fast_decode
 
@@ -83,17 +85,24 @@ def test_other_layer_kinds_keep_the_module_path(model_type, tmp_path):
 
 
 @pytest.mark.skipif(not build.has_avx2(), reason="needs an x86-64 CPU with AVX2")
-@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"),
-                                                ("bfloat16", "int8"), ("float32", "int4")])  # fmt: skip
+@pytest.mark.parametrize("dtype,quantization,tiles", [
+    ("float32", "none", True), ("bfloat16", "none", True), ("float32", "none", False),
+    ("bfloat16", "none", False), ("bfloat16", "int8", True), ("float32", "int4", True)])  # fmt: skip
 def test_native_decode_step_is_the_per_op_native_path_bit_for_bit(llama, monkeypatch, dtype,
-                                                                  quantization):  # fmt: skip
+                                                                  quantization, tiles):  # fmt: skip
     """decode_step (one native call a step) runs the per-op native path's kernels in its order:
-    the same hidden states bit for bit, batched rows of different lengths included."""
+    the same hidden states bit for bit, batched rows of different lengths included; dense
+    weights row-major and tiled (models/native_weights.packs_dense, whatever this CPU's ISA)."""
     monkeypatch.setenv("TORCH_RUNNER_CPU_KERNELS", "native")
+    monkeypatch.setattr(native_weights, "packs_dense", lambda: tiles)
     engine = Engine(llama[0], device="cpu", dtype=dtype, quantization=quantization,
                     max_total_tokens=512, block_size=4, chunked_prefill_size=8,
                     max_num_seqs=8)  # fmt: skip
     runner = engine.runner
+    attn = runner.model.model.layers[0].self_attn
+    if quantization == "none":
+        assert isinstance(attn.qkv_weight, NativePackedDenseWeight) == tiles
+        assert attn.q_proj.weight.is_meta == tiles  # the rows the tiles replaced are freed
     flat = runner.fast_decode
     assert flat.step_args is not None
     step_args, forward, sizes = flat.step_args, runner._forward_group, set()

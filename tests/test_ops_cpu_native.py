@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from ops.cpu_native import build, reference
-from ops.cpu_native.weights import NativeDenseWeight, NativeInt4Weight, NativeInt8Weight
+from ops.cpu_native.weights import (
+    DENSE_MAX_ROWS,
+    NativeDenseWeight,
+    NativeInt4Weight,
+    NativeInt8Weight,
+    NativePackedDenseWeight,
+)
 from ops.quant.int_linear import dequantize_int4, int4_codes, pack_int4
 
 pytestmark = pytest.mark.skipif(not build.has_avx2(), reason="needs an x86-64 CPU with AVX2")
@@ -71,6 +77,62 @@ def test_dense_gemv_vs_reference_and_fp64(lib, m, n, k, dtype):
     want64, scale = brute_force(x, w)
     want64 = want64 + bias.double() + res.double()
     check(got, reference.dense_linear(x, w, bias, res), want64, scale, dtype)
+
+
+def test_packed_tiles_hold_each_value_where_the_layout_says():
+    """tiles[b, c, r, l] is w[4 b + r, 16 c + l] (the index formula, value by value)."""
+    w = torch.arange(8 * 48, dtype=torch.float32).view(8, 48)
+    tiles = reference.pack_dense(w)
+    assert tiles.shape == (2, 3, 4, 16) and tiles.is_contiguous()
+    for b, c, r, j in [(0, 0, 0, 0), (1, 2, 3, 15), (0, 1, 2, 5), (1, 0, 1, 9)]:
+        assert tiles[b, c, r, j] == w[4 * b + r, 16 * c + j]
+    flat = tiles.flatten()  # row 5's values 16..31 follow rows 4's 16..31 in memory
+    assert torch.equal(flat[(1 * 3 + 1) * 64 + 16 : (1 * 3 + 1) * 64 + 32], w[5, 16:32])
+    assert torch.equal(reference.unpack_dense(tiles), w)
+
+
+PACKED_SHAPES = [(1, 960, 576), (1, 576, 1536), (2, 3072, 576), (3, 12, 64), (8, 4, 16)]
+
+
+@pytest.mark.parametrize("m,n,k", PACKED_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_dense_gemv_is_the_rows_gemv_bit_for_bit(lib, m, n, k, dtype):
+    """Same sums in the same order as the row-major GEMV, and within fp32 error of fp64."""
+    torch.manual_seed(n + k)
+    x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    bias, res = torch.randn(n).to(dtype), torch.randn(m, n).to(dtype)
+    packed = NativePackedDenseWeight(w)
+    got = packed.linear_add(x, bias, res)
+    assert torch.equal(got, NativeDenseWeight(w).linear_add(x, bias, res))
+    want64, scale = brute_force(x, w)
+    check(got, reference.dense_linear(x, w, bias, res), want64 + bias.double() + res.double(),
+          scale, dtype)  # fmt: skip
+    assert torch.equal(packed.dequantize(), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_dense_prefill_and_the_reference_fallback(lib, monkeypatch, dtype):
+    """More than DENSE_MAX_ROWS rows unpack for MKL; without the library the reference runs:
+    both the fp64 product within fp32 error."""
+    torch.manual_seed(1)
+    w, x = torch.randn(64, 96).to(dtype), torch.randn(DENSE_MAX_ROWS + 5, 96).to(dtype)
+    packed = NativePackedDenseWeight(w)
+    want64, scale = brute_force(x, w)
+    check(packed.linear(x, None), reference.dense_linear(x, w), want64, scale, dtype)
+    monkeypatch.setattr(packed, "lib", None)
+    few = x[:3].contiguous()
+    assert torch.equal(packed.linear(few, None), reference.dense_linear(few, w))
+
+
+def test_packed_dense_bad_shapes_are_clear_errors(lib):
+    with pytest.raises(ValueError, match="N=6 must be a multiple of 4"):
+        NativePackedDenseWeight(torch.ones(6, 32))
+    with pytest.raises(ValueError, match="K=40 of 16"):
+        NativePackedDenseWeight(torch.ones(8, 40))
+    with pytest.raises(RuntimeError, match=r"\[N / 4, K / 16, 4, 16\]"):
+        lib.dense_packed_linear(torch.ones(1, 32), torch.ones(8, 32), None, None)
+    with pytest.raises(RuntimeError, match="takes K=32"):
+        lib.dense_packed_linear(torch.ones(1, 16), torch.ones(2, 2, 4, 16), None, None)
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES + ODD_K)

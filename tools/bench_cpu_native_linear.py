@@ -1,7 +1,8 @@
 """GB/s of the CPU native linears (ops/cpu_native: torch.ops.torch_runner_native) at one row,
 over distinct DRAM-resident copies of the default model's decode matrices (SmolLM2-135M: q/k/v
 960 x 576, o 576 x 576, gate/up 3072 x 576, down 576 x 1536), so every call streams its weight
-from memory as a decode step does. fp32 / bf16 weights (dense_linear), int8 codes (int8_linear)
+from memory as a decode step does. fp32 / bf16 weights (dense_linear; fp32p / bf16p: the packed
+tiling, dense_packed_linear, which the AVX2 runtime uses), int8 codes (int8_linear)
 and int4 blocks (int4_linear), both on q8 activation blocks; one sweep calls every copy once;
 median of --sweeps.
 
@@ -22,7 +23,9 @@ import time
 import torch
 
 from ops.cpu_native.build import native_ops
+from ops.cpu_native.reference import pack_dense
 
+KINDS = ("int8", "int4", "bf16", "fp32", "bf16p", "fp32p")
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
@@ -38,8 +41,9 @@ def matrices(kind: str, copies: int, gen: torch.Generator) -> list[tuple]:
                 dm = (torch.rand(n, 2, k // 32, generator=gen) * 0.01).half()
                 mats.append((qs, dm, k))
             else:
-                dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-                mats.append((torch.randn(n, k, generator=gen).to(dtype), k))
+                dtype = torch.bfloat16 if kind.startswith("bf16") else torch.float32
+                w = torch.randn(n, k, generator=gen).to(dtype)
+                mats.append((pack_dense(w) if kind.endswith("p") else w, k))
     return mats
 
 
@@ -50,6 +54,8 @@ def sweep(ops, kind: str, mats, xs) -> float:
             ops.int8_linear(xs[m[2]], m[0], m[1], m[2], None, None, False)
         elif kind == "int4":
             ops.int4_linear(xs[m[2]], m[0], m[1], None, None)
+        elif kind.endswith("p"):
+            ops.dense_packed_linear(xs[m[1]], m[0], None, None)
         else:
             ops.dense_linear(xs[m[1]], m[0], None, None)
     return time.perf_counter() - t0
@@ -58,7 +64,9 @@ def sweep(ops, kind: str, mats, xs) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--kinds", default="int8,bf16,fp32", help="comma list of int8, int4, bf16, fp32"
+        "--kinds",
+        default="int8,bf16,fp32",
+        help="comma list of int8, int4, bf16, fp32, bf16p, fp32p",
     )
     parser.add_argument("--copies", type=int, default=24, help="distinct matrices per shape")
     parser.add_argument("--sweeps", type=int, default=15)
@@ -68,10 +76,10 @@ def main() -> None:
         raise SystemExit("the native kernels did not build or this CPU has no AVX2 (see the log)")
     gen = torch.Generator().manual_seed(0)
     for kind in args.kinds.split(","):
-        if kind not in ("int8", "int4", "bf16", "fp32"):
-            raise SystemExit(f"--kinds: {kind!r} is not one of int8, int4, bf16, fp32")
+        if kind not in KINDS:
+            raise SystemExit(f"--kinds: {kind!r} is not one of {', '.join(KINDS)}")
         mats = matrices(kind, args.copies, gen)
-        x_dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+        x_dtype = torch.float32 if kind.startswith("fp32") else torch.bfloat16
         xs = {k: torch.randn(1, k, generator=gen).to(x_dtype) for _, k in SHAPES}
         size = sum(m[0].nbytes + (m[1].nbytes if kind == "int4" else 0) for m in mats)
         for _ in range(3):

@@ -6,8 +6,8 @@
 //
 // weights: 14 per layer [ln1, qkv a, qkv b, qkv bias, o a, o b, o bias, ln2, gate_up a, b, bias,
 // down a, b, bias] then the final norm; a linear's (a, b) is (weight, None) dense, (codes, scales)
-// int8, (qs, dm) int4, kinds[4 per layer] saying which (linear.h's Kind: 0 dense, 1 int8, 2 int4,
-// 3 int8 holding -128 codes); eps: 2 per layer + 1.
+// int8, (qs, dm) int4, (tiles, None) packed dense, kinds[4 per layer] saying which (linear.h's
+// Kind: 0 dense, 1 int8, 2 int4, 3 int8 holding -128 codes, 4 packed dense); eps: 2 per layer + 1.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -45,6 +45,14 @@ LinearRef linear_ref(const Weights& ws, int64_t at, int64_t kind, int64_t k, con
                 "decode_step: ", what, " must be fp32 / bf16 [N, ", k, "]; got ", a.sizes());
     return {Kind::kDense, a.data_ptr(), nullptr, a.scalar_type() == at::kBFloat16, n, k};
   }
+  if (kind == static_cast<int64_t>(Kind::kDensePacked)) {
+    TORCH_CHECK(a.dim() == 4 && a.size(1) * 16 == k && a.size(2) == tr_native::kRows && a.size(3) == 16 &&
+                    (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+                "decode_step: ", what, " must be packed fp32 / bf16 [N / 4, ", k, " / 16, 4, 16]; got ",
+                a.sizes());
+    return {Kind::kDensePacked, a.data_ptr(), nullptr, a.scalar_type() == at::kBFloat16,
+            n * tr_native::kRows, k};
+  }
   const at::Tensor b = need(ws, at + 1, what);
   TORCH_CHECK(b.is_contiguous(), "decode_step: ", what, " scales must be contiguous");
   if (kind == static_cast<int64_t>(Kind::kInt8) || kind == static_cast<int64_t>(Kind::kInt8Full)) {
@@ -55,7 +63,7 @@ LinearRef linear_ref(const Weights& ws, int64_t at, int64_t kind, int64_t k, con
     return {static_cast<Kind>(kind), a.data_ptr(), b.data_ptr(), false, n, k};
   }
   TORCH_CHECK(kind == static_cast<int64_t>(Kind::kInt4), "decode_step: kind of ", what,
-              " must be 0 (dense), 1 (int8), 2 (int4) or 3 (int8 with -128 codes); got ", kind);
+              " must be 0 (dense), 1 (int8), 2 (int4), 3 (int8 with -128 codes) or 4 (packed dense); got ", kind);
   TORCH_CHECK(a.dim() == 3 && a.scalar_type() == at::kByte && a.size(1) * kBlock == k &&
                   a.size(2) == 16 && b.scalar_type() == at::kHalf &&
                   b.sizes() == at::IntArrayRef({n, 2, a.size(1)}),

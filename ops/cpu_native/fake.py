@@ -13,6 +13,10 @@ def register() -> None:
     def _dense(x, w, bias, residual):
         return x.new_empty(x.shape[0], w.shape[0])
 
+    @torch.library.register_fake("torch_runner_native::dense_packed_linear")
+    def _dense_packed(x, w, bias, residual):
+        return x.new_empty(x.shape[0], w.shape[0] * w.shape[2])
+
     @torch.library.register_fake("torch_runner_native::int8_linear")
     def _int8(x, qw, scales, k, bias, residual, full_range):
         return x.new_empty(x.shape[0], qw.shape[0])

@@ -3,6 +3,8 @@
 // linear_kernels.cpp wraps them as torch ops, decode_step.cpp calls them inside one decode step.
 //
 // dense: fp32 or bf16 weights [N, K], fp32 accumulation (bf16 widened in registers, bf16_dot).
+// packed dense: the same values tiled [N / 4, K / 16, 4, 16] (a row block's 4 rows chunk by chunk:
+//        one sequential stream instead of 4 short ones), same sums in the same order.
 // int8:  per-row int8 weights [N, Kp] (Kp = K rounded up to 32, zero columns), fp32 scales [N].
 // int4:  per 32 columns (llama.cpp Q4_1 order: byte j = code j | code j+16 << 4) codes
 //        qs [N, K/32, 16] uint8 and fp16 scales and mins dm [N, 2, K/32] (row n's K/32 scales,
@@ -149,6 +151,52 @@ inline void bf16_dot(const c10::BFloat16* w, int64_t k, const float* xrow, float
   }
 }
 
+// Packed dense (kDensePacked): row block b's 16-value chunk c of its row r at
+// ((b * K / 16 + c) * 4 + r) * 16, so a block is one contiguous stream of 4 K values. The rows
+// layout reads a block as 4 interleaved streams of K values (1-3 KB each for SmolLM2), which the
+// 2-core AVX2 Zen 3 box streamed at ~17-23 GB/s for bf16 and ~25 for fp32 against ~26-30 packed
+// (tools/bench_cpu_native_linear.py, log session 28). bf16 prefetches kPackedAhead bytes on (512
+// and 2,048 measured slower, none ~7% slower); fp32 measured fastest without.
+// blk: the block's first value; r0: the first of the R rows (dot<1> of a row block's tail)
+constexpr int64_t kPackedAhead = 1024;
+
+template <int R>
+inline void packed_bf16_dot(const c10::BFloat16* blk, int64_t k, int64_t r0, const float* xrow,
+                            float* out) {
+  const float *xe = xrow, *xo = xrow + k / 2;
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) {
+    const c10::BFloat16* chunk = blk + j * kRows + r0 * 16;
+    const char* ahead = reinterpret_cast<const char*>(chunk) + kPackedAhead;
+    _mm_prefetch(ahead, _MM_HINT_T0);  // a chunk of 4 rows is 128 bytes: two lines
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    const __m256 e = _mm256_loadu_ps(xe + j / 2), o = _mm256_loadu_ps(xo + j / 2);
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + r * 16));
+      a0[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), e, a0[r]);
+      a1[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), o, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
+template <int R>
+inline void packed_fp32_dot(const float* blk, int64_t k, int64_t r0, const float* x, float* out) {
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) {
+    const float* chunk = blk + j * kRows + r0 * 16;
+    const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(chunk + r * 16), x0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(chunk + r * 16 + 8), x1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
 // x [M, K] -> rows in bf16_dot's order (even / odd values of the first K // 16 * 16, then the rest)
 template <typename T>
 void even_odd_rows(const T* x, int64_t m, int64_t k, std::vector<float>& out) {
@@ -276,14 +324,15 @@ void run_rows(int64_t m, int64_t n, int64_t row_bytes, const T* bias, const T* r
 }
 
 // kInt8Full: int8 codes that may hold -128 (int8_dot's kFull)
-enum class Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt8Full = 3 };
+// kDensePacked: fp32 / bf16 tiled [N / 4, K / 16, 4, 16] (N % 4 == 0, K % 16 == 0)
+enum class Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt8Full = 3, kDensePacked = 4 };
 
 // One linear's weight fields (pointers into tensors the caller keeps alive)
 struct LinearRef {
   Kind kind;
-  const void* w;    // dense: fp32 / bf16 [N, K]; int8: codes [N, Kp]; int4: qs [N, K / 32, 16]
+  const void* w;    // dense: fp32 / bf16 [N, K] (packed: [N / 4, K / 16, 4, 16]); int8: codes [N, Kp]; int4: qs [N, K / 32, 16]
   const void* aux;  // int8: fp32 scales [N]; int4: fp16 dm [N, 2, K / 32]; dense: unused
-  bool is_bf16;     // dense: the weight dtype
+  bool is_bf16;     // dense / packed dense: the weight dtype
   int64_t n, k;
 };
 
@@ -292,6 +341,26 @@ template <typename T>
 void linear_into(const LinearRef& lw, const T* x, int64_t m, const T* bias, const T* residual,
                  T* out, Scratch& s) {
   const int64_t n = lw.n, k = lw.k;
+  if (lw.kind == Kind::kDensePacked) {  // the AVX2 kernels on either build
+    if (lw.is_bf16) {
+      even_odd_rows(x, m, k, s.xf);
+    } else {
+      float_rows(x, m, k, k, s.xf);
+    }
+    const float* xp = s.xf.data();
+    auto rows = [&](auto* wp, auto dot1, auto dot4) {
+      run_rows(
+          m, n, lw.is_bf16 ? 2 * k : 4 * k, bias, residual, out,
+          [&](int64_t row, int64_t i, float* o) { dot1(wp + row / kRows * kRows * k, k, row % kRows, xp + i * k, o); },
+          [&](int64_t row, int64_t i, float* o) { dot4(wp + row * k, k, 0, xp + i * k, o); });
+    };
+    if (lw.is_bf16) {
+      rows(static_cast<const c10::BFloat16*>(lw.w), packed_bf16_dot<1>, packed_bf16_dot<4>);
+    } else {
+      rows(static_cast<const float*>(lw.w), packed_fp32_dot<1>, packed_fp32_dot<4>);
+    }
+    return;
+  }
 #ifdef TR_AVX512
   if (lw.kind == Kind::kDense && lw.is_bf16 && std::is_same_v<T, c10::BFloat16>) {
     const c10::BFloat16* xp = reinterpret_cast<const c10::BFloat16*>(x);

@@ -63,6 +63,20 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   return run(lw, x, bias, residual);
 }
 
+// w: the packed tiling [N / 4, K / 16, 4, 16] of an fp32 / bf16 [N, K] weight (linear.h)
+at::Tensor dense_packed_linear(const at::Tensor& x, const at::Tensor& w,
+                               const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == tr_native::kRows && w.size(3) == 16 && w.is_contiguous(),
+              "dense_packed_linear: weight must be contiguous [N / 4, K / 16, 4, 16]; got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
+              "dense_packed_linear: weight dtype must be float32 or bfloat16; got ", w.scalar_type());
+  const int64_t n = w.size(0) * tr_native::kRows, k = w.size(1) * 16;
+  check_x(x, k, "dense_packed_linear");
+  const LinearRef lw{Kind::kDensePacked, w.data_ptr(), nullptr, w.scalar_type() == at::kBFloat16, n, k};
+  return run(lw, x, bias, residual);
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
                        int64_t k, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual, bool full_range) {
@@ -113,6 +127,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) 
 
 TORCH_LIBRARY(torch_runner_native, m) {
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("dense_packed_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qw, Tensor scales, int k, Tensor? bias, Tensor? residual, "
         "bool full_range) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qs, Tensor dm, Tensor? bias, Tensor? residual) -> Tensor");
@@ -121,6 +136,7 @@ TORCH_LIBRARY(torch_runner_native, m) {
 
 TORCH_LIBRARY_IMPL(torch_runner_native, CPU, m) {
   m.impl("dense_linear", &dense_linear);
+  m.impl("dense_packed_linear", &dense_packed_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("quantize_q8", &quantize_q8);

@@ -68,6 +68,37 @@ class NativeDenseWeight(NativeWeight):
         return self.weight.nbytes
 
 
+class NativePackedDenseWeight(NativeWeight):
+    """Dense fp32 / bf16 tiled [N / 4, K / 16, 4, 16] (reference.pack_dense; linear.h says why):
+    the same products as NativeDenseWeight, bit for bit, with the weight read as one stream. A
+    product of more than DENSE_MAX_ROWS rows unpacks a temporary [N, K] for MKL."""
+
+    def __init__(self, weight: torch.Tensor):
+        n, k = weight.shape
+        if n % 4 or k % 16:
+            raise ValueError(f"packed dense: N={n} must be a multiple of 4 and K={k} of 16")
+        super().__init__(n, k, weight.dtype, weight.device)
+        self.tiles = reference.pack_dense(weight.detach())
+
+    def run(self, x, bias, residual):
+        lib = self.lib
+        if x.shape[0] <= DENSE_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+            if lib is not None:
+                return lib.dense_packed_linear(x, self.tiles, bias, residual)
+            return reference.dense_packed_linear(x, self.tiles, bias, residual)
+        out = F.linear(x, self.dequantize().to(x.dtype), bias)
+        return out if residual is None else out.add_(residual)
+
+    def dequantize(self) -> torch.Tensor:
+        return reference.unpack_dense(self.tiles)
+
+    def step_fields(self) -> tuple:
+        return 4, self.tiles, None
+
+    def nbytes(self) -> int:
+        return self.tiles.nbytes
+
+
 class NativeInt8Weight(NativeWeight):
     """Per-row int8: qweight [N, Kp] (zero columns past K), fp32 scales [N]."""
 
