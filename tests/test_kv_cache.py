@@ -256,6 +256,47 @@ def test_blocks_given_back_behind_the_window_read_the_zero_pad_slot():
     torch.testing.assert_close(out[0].double(), want, rtol=1e-5, atol=1e-5)
 
 
+def _brute_slots(tables, starts, num_new, bs, pad):
+    """Every row's key slots (pad past its length or in a given-back block) and the new
+    tokens' write slots, position by position."""
+    lens = [s + m for s, m in zip(starts, num_new)]
+    gather = [pad if p >= n or t[p // bs] < 0 else t[p // bs] * bs + p % bs
+              for t, n in zip(tables, lens) for p in range(max(lens))]  # fmt: skip
+    write = [t[p // bs] * bs + p % bs for t, s, m in zip(tables, starts, num_new)
+             for p in range(s, s + m)]  # fmt: skip
+    return gather, write
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_paged_step_meta_slots_on_host_and_device_equal_brute_force(seed):
+    """The CPU build (numpy) and the device build (torch ops, run here on the CPU) of the slot
+    tensors both equal the position-by-position slots: ragged rows, padded query tokens and
+    blocks given back (NO_BLOCK) included."""
+    rng, bs, pad = random.Random(seed), 4, 99
+    b = rng.randint(1, 4)
+    num_new = [rng.choice([1, 1, 3, 7]) for _ in range(b)]
+    if seed % 2:
+        num_new = [1] * b  # decode: dense, no write_rows
+    starts = [rng.randint(0, 13) for _ in range(b)]
+    tables = [rng.sample(range(40), -(-(s + m) // bs)) for s, m in zip(starts, num_new)]
+    if seed >= 4 and starts[0] >= bs:
+        tables[0][0] = NO_BLOCK
+    want_gather, want_write = _brute_slots(tables, starts, num_new, bs, pad)
+    meta = PagedStepMeta(tables, starts, num_new, bs, "cpu", pad)
+    assert meta.gather_slots.tolist() == want_gather
+    assert meta.write_slots.tolist() == want_write
+    assert meta.kv_lens.tolist() == [s + m for s, m in zip(starts, num_new)]
+    host = (meta.block_tables, meta.kv_lens, meta.gather_slots, meta.write_slots, meta.write_rows)
+    width = max(map(len, tables))
+    padded = [x for t in tables for x in t + [0] * (width - len(t))]
+    rows = [i * max(num_new) + j for i, m in enumerate(num_new) for j in range(m)]
+    meta._slots_on_device(padded, meta.kv_lens.tolist(), starts, rows, width, max(num_new), pad,
+                          torch.device("cpu"))  # fmt: skip
+    device = (meta.block_tables, meta.kv_lens, meta.gather_slots, meta.write_slots, meta.write_rows)
+    for a, c in zip(host, device):
+        assert (a is None and c is None) or torch.equal(a, c)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_paged_step_meta_builds_its_slots_without_a_host_sync():

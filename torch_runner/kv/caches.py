@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import ops
@@ -207,25 +208,11 @@ class PagedStepMeta:
         # the new tokens' rows of the padded [B * N] input (known here: no nonzero() sync)
         rows = [] if self.is_dense else [i * n + j for i, m in enumerate(num_new) for j in range(m)]
         device = torch.device(device)
-        tables, lens, offsets, write_rows = _to_device((padded, kv_lens, starts, rows), device)
-        tables = tables.view(b, width)  # [B, blocks]
-        as_long = dict(dtype=torch.int64, device=device)
-        self.block_tables, self.kv_lens, self.block_size = tables, lens, block_size
-        pos = torch.arange(s_max, **as_long)  # [S]
-        pages = tables[:, pos // block_size]  # [B, S]
-        slots = pages * block_size + pos % block_size  # [B, S]
-        # keys past kv_len, and those of blocks given back behind the window (NO_BLOCK < 0),
-        # read the zero pad slot (the window masks them out; garbage there could be NaN)
-        hidden = (pos >= lens[:, None]) | (pages < 0)
-        self.gather_slots = slots.masked_fill_(hidden, pad_slot).view(-1)  # [B * S]
-        offsets = offsets[:, None] + torch.arange(n, **as_long)  # [B, N]
-        write = slots.view(b, s_max).gather(1, offsets.clamp_(max=s_max - 1))  # [B, N]
-        if self.is_dense:
-            self.write_rows = None
-            self.write_slots = write.view(-1)
+        self.block_size = block_size
+        if device.type == "cpu":  # numpy: ~1 us an op where a small torch op costs 5-10 us
+            self._slots_on_host(padded, kv_lens, starts, rows, width, n, pad_slot)
         else:
-            self.write_rows = write_rows
-            self.write_slots = write.view(-1)[self.write_rows]
+            self._slots_on_device(padded, kv_lens, starts, rows, width, n, pad_slot, device)
         self.shape = (b, n, s_max)
         # one row whose blocks are consecutive (the common single-request case): its keys are a
         # slice of the pool, so fetching them is a view instead of a gather copy
@@ -239,7 +226,45 @@ class PagedStepMeta:
         ):
             self.first_slot = table[0] * block_size
         is_tail = len(set(kv_lens)) == 1 and len(set(num_new)) == 1
-        self.layout = KeyLayout.contiguous(lens, is_causal_tail=is_tail)
+        self.layout = KeyLayout.contiguous(self.kv_lens, is_causal_tail=is_tail)
+
+    # Both set block_tables [B, blocks], kv_lens [B], gather_slots [B * S] (every row's keys:
+    # slot of position p = its page * block_size + p % block_size; keys past kv_len, and those of
+    # blocks given back behind the window (NO_BLOCK < 0), read the zero pad slot: the window masks
+    # them out, garbage there could be NaN), write_slots (the new tokens') and write_rows
+    def _slots_on_device(self, padded, kv_lens, starts, rows, width, n, pad_slot, device):
+        b, s_max, bs = len(kv_lens), max(kv_lens), self.block_size
+        tables, lens, offsets, write_rows = _to_device((padded, kv_lens, starts, rows), device)
+        tables = tables.view(b, width)  # [B, blocks]
+        as_long = dict(dtype=torch.int64, device=device)
+        self.block_tables, self.kv_lens = tables, lens
+        pos = torch.arange(s_max, **as_long)  # [S]
+        pages = tables[:, pos // bs]  # [B, S]
+        slots = pages * bs + pos % bs  # [B, S]
+        hidden = (pos >= lens[:, None]) | (pages < 0)
+        self.gather_slots = slots.masked_fill_(hidden, pad_slot).view(-1)  # [B * S]
+        offsets = offsets[:, None] + torch.arange(n, **as_long)  # [B, N]
+        write = slots.view(b, s_max).gather(1, offsets.clamp_(max=s_max - 1))  # [B, N]
+        self.write_rows = None if self.is_dense else write_rows
+        self.write_slots = write.view(-1) if self.is_dense else write.view(-1)[write_rows]
+
+    def _slots_on_host(self, padded, kv_lens, starts, rows, width, n, pad_slot):
+        b, s_max, bs = len(kv_lens), max(kv_lens), self.block_size
+        tables = np.array(padded, dtype=np.int64).reshape(b, width)
+        lens = np.array(kv_lens, dtype=np.int64)
+        pos = np.arange(s_max, dtype=np.int64)
+        pages = tables[:, pos // bs]  # [B, S]
+        slots = pages * bs + pos % bs
+        slots[(pos >= lens[:, None]) | (pages < 0)] = pad_slot
+        offsets = np.minimum(np.array(starts, dtype=np.int64)[:, None] + np.arange(n), s_max - 1)
+        write = slots[np.arange(b)[:, None], offsets].reshape(-1)  # [B * N]
+        self.block_tables, self.kv_lens = torch.from_numpy(tables), torch.from_numpy(lens)
+        self.gather_slots = torch.from_numpy(slots.reshape(-1))
+        if self.is_dense:
+            self.write_rows, self.write_slots = None, torch.from_numpy(write)
+        else:
+            self.write_rows = torch.tensor(rows, dtype=torch.int64)
+            self.write_slots = torch.from_numpy(write[rows])
 
 
 def _to_device(parts, device: torch.device) -> list[torch.Tensor]:

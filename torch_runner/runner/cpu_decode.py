@@ -95,7 +95,7 @@ class FlatDecoder:
         linear, upcast = ops.linear, self.native is not None
         b = input_ids.shape[0]
         h = self.embed(input_ids.view(b))  # [B, H]
-        rope = self.rotary.at(positions, h.dtype)
+        rope = self._rope(positions, h.dtype, caches)
         tables = self._native_attention_tables(rope, caches)  # (cos, sin) [B, D] or None
         if tables is not None and self.step_args is not None:
             return self._native_step(h, tables, caches).view(b, 1, -1)
@@ -126,6 +126,19 @@ class FlatDecoder:
             out = out.transpose(1, 2).reshape(b, hq * d)
             h = self._mlp(self._o_proj(out, o_w, o_b, h), plan)
         return rms_norm(h, self.final_norm.weight, self.final_norm.eps).view(b, 1, -1)
+
+    def _rope(self, positions, dtype, caches):
+        """The step's cos / sin: rows of a table of every position below the longest row
+        (Rotary.covering: one gather where rope_tables is ~12 small ops, the same values)."""
+        meta = getattr(caches[0], "meta", None) if caches else None
+        rotary = self.rotary
+        if meta is None:
+            return rotary.at(positions, dtype)
+        rotary.covering = meta.shape[2]  # every position this step is below the longest kv_len
+        try:
+            return rotary.at(positions, dtype)
+        finally:
+            rotary.covering = 0
 
     def _native_attention_tables(self, rope, caches):
         """(cos, signed sin) [B, D] when this step's attention can be the native decode op: native
