@@ -102,10 +102,8 @@ class TextModel(nn.Module):
         )
 
     def forward(self, input_ids, positions, caches):
-        weight = self.embed_tokens.weight
-        h = self.embed_tokens(input_ids) * torch.tensor(
-            self.embed_scale, dtype=weight.dtype
-        )  # [B, N, H]
+        h = self.embed_tokens(input_ids)  # [B, N, H]
+        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         # cos/sin once per rope kind per forward, not once per layer
         ropes = {kind: rotary.at(positions, h.dtype) for kind, rotary in self.rotary.items()}
         for i, layer in enumerate(self.layers):

@@ -3,8 +3,9 @@
 With the AVX2 kernels (ops/cpu_native/build.isa) the decoder's matrices are re-tiled for the
 GEMV (NativePackedDenseWeight: one weight stream per row block, linear.h says why) and the
 q/k/v and gate/up parameters, views of the fused matrices, become `meta` placeholders as
-oneDNN packing leaves them (memory neutral; the state dict is no longer a checkpoint). The
-tied lm_head keeps the embedding's rows (packing it would hold the vocabulary twice).
+oneDNN packing leaves them (memory neutral; the state dict is no longer a checkpoint). A tied
+lm_head is tiled too and the embedding then looks its rows up in the tiles (TiledEmbedding), so
+the vocabulary is held once.
 
 Why: on the AVX2-only box MKL / oneDNN streamed the batch-1 matrices at 12-19 GB/s around a
 large per-call overhead; the native GEMV is the same fp32-accumulated product (summation order
@@ -82,13 +83,32 @@ def native_linear_weights(model: nn.Module) -> int:
             wrap_param(module.down_proj)
     head = getattr(model, "lm_head", False)
     if head is None:  # tied: the embedding is also the lm_head
-        model.lm_head = PackedHead(model.model.embed_tokens.weight)
-        wrap_buffer(model.lm_head, "weight", pack=False)
+        embed = model.model.embed_tokens
+        model.lm_head = PackedHead(embed.weight)
+        wrap_buffer(model.lm_head, "weight", pack=type(embed) is nn.Embedding)  # not a vocab shard
+        if isinstance(model.lm_head.weight, NativePackedDenseWeight):
+            model.model.embed_tokens = TiledEmbedding(model.lm_head.weight)
     elif isinstance(head, nn.Linear):
         wrap_param(head)
     if tiles:
         return_freed_memory()
     return count
+
+
+class TiledEmbedding(nn.Module):
+    """A tied model's embedding once its lm_head is tiled: token t's row is read from the head's
+    tiles [V / 4, H / 16, 4, 16] (row t: tiles[t // 4, :, t % 4]), the same values as the
+    dense table, which is freed. `weight` is no longer a tensor: a lookup is this module's call."""
+
+    def __init__(self, head: NativePackedDenseWeight):
+        super().__init__()
+        self.head = head
+        self.num_embeddings, self.embedding_dim = head.shape
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        tiles = self.head.tiles
+        rows = tiles[input_ids // 4, :, input_ids % 4]  # [*ids, H / 16, 16]
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
 
 
 def weight_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -67,12 +67,33 @@ def test_fast_decode_is_the_module_path_bit_for_bit(llama, monkeypatch, kernels,
     assert {1, 2, 3, 4} <= sizes  # batched rows of different lengths (masks) were covered
 
 
-def test_fast_decode_greedy_tokens_equal_transformers(llama):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_fast_decode_greedy_tokens_equal_transformers(llama, monkeypatch, tiles):
+    """With the decoder's matrices and the tied head tiled (models/native_weights.packs_dense,
+    whatever this CPU's ISA) or row-major."""
     path, hf = llama
+    monkeypatch.setattr(native_weights, "packs_dense", lambda: tiles)
     engine = _engine(path)
     assert engine.runner.fast_decode is not None
     for prompt, tokens, m in zip(PROMPTS, _run(engine), MAX_TOKENS):
         assert tokens == hf_greedy(hf, prompt, m), prompt
+
+
+@pytest.mark.skipif(not build.has_avx2(), reason="needs an x86-64 CPU with AVX2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_head_tiles_serve_the_embedding_lookups(llama, monkeypatch, dtype):
+    """A tiled tied head replaces the embedding table: its lookups are the checkpoint's rows
+    (read with transformers) and the head's tiles hold the same matrix, once."""
+    monkeypatch.setenv("TORCH_RUNNER_CPU_KERNELS", "native")
+    monkeypatch.setattr(native_weights, "packs_dense", lambda: True)
+    engine = Engine(llama[0], device="cpu", dtype=str(dtype).split(".")[1], max_total_tokens=64)
+    model = engine.runner.model
+    embed, head = model.model.embed_tokens, model.lm_head.weight
+    assert isinstance(embed, native_weights.TiledEmbedding) and embed.head is head
+    want = llama[1].get_input_embeddings().weight.detach().to(dtype)  # [V, H]
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5], [want.shape[0] - 1, 7, 7, 0, 9, 13]])
+    assert torch.equal(embed(ids), want[ids])
+    assert torch.equal(head.dequantize(), want)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "mistral", "gpt_oss", "qwen3_moe"])

@@ -17,6 +17,7 @@ import time
 import pytest
 from engine_helpers import save_engine_checkpoint
 
+from models.native_weights import weight_tensors
 from ops.sampling.params import SamplingParams
 from torch_runner.distributed.group import RankFailure
 from torch_runner.engine import Engine
@@ -46,7 +47,15 @@ def workload(engine: Engine):
 
 
 def num_weights(engine: Engine) -> int:
-    return sum(t.numel() for t in engine.runner.model.state_dict().values())
+    """Values held in weight memory: every distinct storage of the model's parameters, buffers
+    and packed / tiled weights (the state dict alone misses the tiles, and a tiled tied head
+    replaces the embedding; meta placeholders hold nothing)."""
+    seen = {}
+    for t in weight_tensors(engine.runner.model):
+        if not t.is_meta:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes() // t.element_size()
+    return sum(seen.values())
 
 
 def summary(outputs):
