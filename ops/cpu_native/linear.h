@@ -247,7 +247,7 @@ inline __m256i int4_codes(const uint8_t* qs) {  // 16 bytes -> the block's 32 co
 template <int R>
 inline void int4_dot(const uint8_t* qs, const uint16_t* dm, int64_t nb, const int8_t* xq,
                      const float* xd, const float* xs, float* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
   __m256 acc[R], macc[R];
   float tail[R];
   for (int r = 0; r < R; ++r) {
@@ -266,18 +266,27 @@ inline void int4_dot(const uint8_t* qs, const uint16_t* dm, int64_t nb, const in
       macc[r] = _mm256_fmadd_ps(
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + nb))), sx8, macc[r]);
     }
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < 8; j += 2) {  // blocks b and b + 1: one 32-byte load of codes a row
       const int64_t b = b0 + j;
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-      const __m256i lane = _mm256_set1_epi32(j);
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b + 1) * kBlock));
+      // the codes' low nibbles are values 0-15 of b | of b + 1, the high ones 16-31 of each
+      const __m256i xlo = _mm256_permute2x128_si256(x0, x1, 0x20);
+      const __m256i xhi = _mm256_permute2x128_si256(x0, x1, 0x31);
+      const __m256i pair = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
       for (int r = 0; r < R; ++r) {
         if ((j & 3) == 0) {  // one 64-byte line of codes is 4 blocks
           _mm_prefetch(reinterpret_cast<const char*>(qs + ((r + kRows) * nb + b) * 16), _MM_HINT_T0);
         }
-        const __m256i dot =
-            _mm256_madd_epi16(_mm256_maddubs_epi16(int4_codes(qs + (r * nb + b) * 16), xv), ones);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (r * nb + b) * 16));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        // |code * x| <= 15 * 127: a pair sums to <= 3,810 and lo + hi to <= 7,620 (no int16
+        // saturation); lanes 0-3 then hold block b's 32 products, lanes 4-7 block b + 1's
+        const __m256i sum16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+        const __m256i dot = _mm256_madd_epi16(sum16, ones);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                 _mm256_permutevar8x32_ps(scale[r], lane), acc[r]);
+                                 _mm256_permutevar8x32_ps(scale[r], pair), acc[r]);
       }
     }
   }
