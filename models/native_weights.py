@@ -22,25 +22,20 @@ from torch import nn
 
 from models.layers import Attention, GatedMLP, PackedHead
 from models.quantize import return_freed_memory
-from ops.cpu_native import build, hugepages
+from ops.cpu_native import hugepages
+from ops.cpu_native import weights as cpu_weights
 from ops.cpu_native.weights import NativeDenseWeight, NativePackedDenseWeight
 from ops.quant.int_linear import QuantizedLinearWeight
 
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def packs_dense() -> bool:
-    """Whether the decoder's matrices are tiled (NativePackedDenseWeight): with the AVX2 kernels,
-    where it was measured (TORCH_RUNNER_CPU_ISA=avx2 picks them on an AVX-512 CPU too)."""
-    return build.isa() == "avx2"
-
-
 def native_linear_weights(model: nn.Module) -> int:
     """Wrap every fused q/k/v and gate/up matrix, o_proj, down_proj and the lm_head (a tied one:
     the embedding matrix, shared) in NativeDenseWeight, or NativePackedDenseWeight where
-    `packs_dense()` (all but a tied head); returns how many were wrapped."""
+    `prefers_tiles()` (ops/cpu_native/weights.py); returns how many were wrapped."""
     count = 0
-    tiles = packs_dense()
+    tiles = cpu_weights.prefers_tiles()
 
     def wrap(weight, pack: bool):
         nonlocal count

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from models.layers import Attention, GatedMLP, PackedHead
+from ops.cpu_native import weights as cpu_weights
 from ops.cpu_native.build import wants_native
 from ops.cpu_native.weights import NativeInt4Weight, NativeInt8Weight
 from ops.quant.int_linear import (
@@ -76,7 +77,8 @@ def quantize_linears(
     def quantize(weight: torch.Tensor, name: str, parts=()) -> QuantizedLinearWeight | torch.Tensor:
         out = quantize_one(weight, name, parts)
         if isinstance(out, Int8Weight) and wants_native(out.device):  # AVX2 CPU: q8 activations
-            out = NativeInt8Weight(out.qweight, out.scales, weight.dtype)
+            out = NativeInt8Weight(out.qweight, out.scales, weight.dtype,
+                                   tiled=cpu_weights.prefers_tiles())  # fmt: skip
         if ROUND_FP32_ACTIVATIONS and isinstance(out, QuantizedLinearWeight):
             out.set_compute_dtype(activation_dtype(weight.dtype, out.device))  # weight: maybe meta
         return_freed_memory()  # the sources and temporaries just freed (glibc keeps them)

@@ -11,6 +11,7 @@ from engine_helpers import hf_greedy, run_staggered, save_engine_checkpoint
 
 from models import native_weights
 from ops.cpu_native import build
+from ops.cpu_native import weights as cpu_weights
 from ops.cpu_native.weights import NativePackedDenseWeight
 from torch_runner import Engine, SamplingParams
 from torch_runner.runner.cpu_decode import supports_fast_decode
@@ -69,10 +70,10 @@ def test_fast_decode_is_the_module_path_bit_for_bit(llama, monkeypatch, kernels,
 
 @pytest.mark.parametrize("tiles", [True, False])
 def test_fast_decode_greedy_tokens_equal_transformers(llama, monkeypatch, tiles):
-    """With the decoder's matrices and the tied head tiled (models/native_weights.packs_dense,
+    """With the decoder's matrices and the tied head tiled (ops/cpu_native/weights.prefers_tiles,
     whatever this CPU's ISA) or row-major."""
     path, hf = llama
-    monkeypatch.setattr(native_weights, "packs_dense", lambda: tiles)
+    monkeypatch.setattr(cpu_weights, "prefers_tiles", lambda: tiles)
     engine = _engine(path)
     assert engine.runner.fast_decode is not None
     for prompt, tokens, m in zip(PROMPTS, _run(engine), MAX_TOKENS):
@@ -85,7 +86,7 @@ def test_tied_head_tiles_serve_the_embedding_lookups(llama, monkeypatch, dtype):
     """A tiled tied head replaces the embedding table: its lookups are the checkpoint's rows
     (read with transformers) and the head's tiles hold the same matrix, once."""
     monkeypatch.setenv("TORCH_RUNNER_CPU_KERNELS", "native")
-    monkeypatch.setattr(native_weights, "packs_dense", lambda: True)
+    monkeypatch.setattr(cpu_weights, "prefers_tiles", lambda: True)
     engine = Engine(llama[0], device="cpu", dtype=str(dtype).split(".")[1], max_total_tokens=64)
     model = engine.runner.model
     embed, head = model.model.embed_tokens, model.lm_head.weight
@@ -108,14 +109,15 @@ def test_other_layer_kinds_keep_the_module_path(model_type, tmp_path):
 @pytest.mark.skipif(not build.has_avx2(), reason="needs an x86-64 CPU with AVX2")
 @pytest.mark.parametrize("dtype,quantization,tiles", [
     ("float32", "none", True), ("bfloat16", "none", True), ("float32", "none", False),
-    ("bfloat16", "none", False), ("bfloat16", "int8", True), ("float32", "int4", True)])  # fmt: skip
+    ("bfloat16", "none", False), ("bfloat16", "int8", True), ("bfloat16", "int8", False),
+    ("float32", "int4", True)])  # fmt: skip
 def test_native_decode_step_is_the_per_op_native_path_bit_for_bit(llama, monkeypatch, dtype,
                                                                   quantization, tiles):  # fmt: skip
     """decode_step (one native call a step) runs the per-op native path's kernels in its order:
     the same hidden states bit for bit, batched rows of different lengths included; dense
-    weights row-major and tiled (models/native_weights.packs_dense, whatever this CPU's ISA)."""
+    weights row-major and tiled (ops/cpu_native/weights.prefers_tiles, whatever this CPU's ISA)."""
     monkeypatch.setenv("TORCH_RUNNER_CPU_KERNELS", "native")
-    monkeypatch.setattr(native_weights, "packs_dense", lambda: tiles)
+    monkeypatch.setattr(cpu_weights, "prefers_tiles", lambda: tiles)
     engine = Engine(llama[0], device="cpu", dtype=dtype, quantization=quantization,
                     max_total_tokens=512, block_size=4, chunked_prefill_size=8,
                     max_num_seqs=8)  # fmt: skip
@@ -124,6 +126,8 @@ def test_native_decode_step_is_the_per_op_native_path_bit_for_bit(llama, monkeyp
     if quantization == "none":
         assert isinstance(attn.qkv_weight, NativePackedDenseWeight) == tiles
         assert attn.q_proj.weight.is_meta == tiles  # the rows the tiles replaced are freed
+    if quantization == "int8":
+        assert attn.qkv_weight.is_tiled == tiles
     flat = runner.fast_decode
     assert flat.step_args is not None
     step_args, forward, sizes = flat.step_args, runner._forward_group, set()

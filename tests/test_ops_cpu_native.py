@@ -82,13 +82,13 @@ def test_dense_gemv_vs_reference_and_fp64(lib, m, n, k, dtype):
 def test_packed_tiles_hold_each_value_where_the_layout_says():
     """tiles[b, c, r, l] is w[4 b + r, 16 c + l] (the index formula, value by value)."""
     w = torch.arange(8 * 48, dtype=torch.float32).view(8, 48)
-    tiles = reference.pack_dense(w)
+    tiles = reference.tile_rows(w)
     assert tiles.shape == (2, 3, 4, 16) and tiles.is_contiguous()
     for b, c, r, j in [(0, 0, 0, 0), (1, 2, 3, 15), (0, 1, 2, 5), (1, 0, 1, 9)]:
         assert tiles[b, c, r, j] == w[4 * b + r, 16 * c + j]
     flat = tiles.flatten()  # row 5's values 16..31 follow rows 4's 16..31 in memory
     assert torch.equal(flat[(1 * 3 + 1) * 64 + 16 : (1 * 3 + 1) * 64 + 32], w[5, 16:32])
-    assert torch.equal(reference.unpack_dense(tiles), w)
+    assert torch.equal(reference.untile_rows(tiles), w)
 
 
 PACKED_SHAPES = [(1, 960, 576), (1, 576, 1536), (2, 3072, 576), (3, 12, 64), (8, 4, 16)]
@@ -152,6 +152,10 @@ def test_int8_q8_kernel_vs_reference_and_fp64(lib, m, n, k, dtype, lowest):
     want64, scale = brute_force(q8_dequantized(lib, x), qweight.double() * scales.double()[:, None])
     want_ref = reference.int8_linear(x, weight.qweight, weight.scales, k)
     check(got, want_ref, want64, scale, dtype)
+    tiled = NativeInt8Weight(qweight, scales, dtype, tiled=True)  # [N / 4, Kp / 32, 4, 32]
+    assert tiled.is_tiled == (n % 4 == 0)
+    assert torch.equal(tiled.rows(), weight.qweight)
+    assert torch.equal(tiled.linear(x, None), got)  # the same sums in the same order
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)

@@ -6,8 +6,9 @@
 //
 // weights: 14 per layer [ln1, qkv a, qkv b, qkv bias, o a, o b, o bias, ln2, gate_up a, b, bias,
 // down a, b, bias] then the final norm; a linear's (a, b) is (weight, None) dense, (codes, scales)
-// int8, (qs, dm) int4, (tiles, None) packed dense, kinds[4 per layer] saying which (linear.h's
-// Kind: 0 dense, 1 int8, 2 int4, 3 int8 holding -128 codes, 4 packed dense); eps: 2 per layer + 1.
+// int8 (tiled: [N / 4, Kp / 32, 4, 32] codes), (qs, dm) int4, (tiles, None) packed dense,
+// kinds[4 per layer] saying which (linear.h's Kind: 0 dense, 1 int8, 2 int4, 3 int8 holding -128
+// codes, 4 packed dense, 5 / 6 tiled int8 without / with -128 codes); eps: 2 per layer + 1.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -62,8 +63,19 @@ LinearRef linear_ref(const Weights& ws, int64_t at, int64_t kind, int64_t k, con
                 "decode_step: ", what, " int8 codes must be [N, ceil(", k, " / 32) * 32], fp32 scales [N]");
     return {static_cast<Kind>(kind), a.data_ptr(), b.data_ptr(), false, n, k};
   }
+  if (kind == static_cast<int64_t>(Kind::kInt8Tiled) ||
+      kind == static_cast<int64_t>(Kind::kInt8FullTiled)) {
+    TORCH_CHECK(a.dim() == 4 && a.scalar_type() == at::kChar &&
+                    a.size(1) == (k + kBlock - 1) / kBlock && a.size(2) == tr_native::kRows &&
+                    a.size(3) == kBlock && b.numel() == n * tr_native::kRows &&
+                    b.scalar_type() == at::kFloat,
+                "decode_step: ", what, " tiled int8 codes must be [N / 4, ceil(", k,
+                " / 32), 4, 32], fp32 scales [N]");
+    return {static_cast<Kind>(kind), a.data_ptr(), b.data_ptr(), false, n * tr_native::kRows, k};
+  }
   TORCH_CHECK(kind == static_cast<int64_t>(Kind::kInt4), "decode_step: kind of ", what,
-              " must be 0 (dense), 1 (int8), 2 (int4), 3 (int8 with -128 codes) or 4 (packed dense); got ", kind);
+              " must be 0 (dense), 1 (int8), 2 (int4), 3 (int8 with -128 codes), 4 (packed dense), 5 / 6 "
+              "(tiled int8, without / with -128 codes); got ", kind);
   TORCH_CHECK(a.dim() == 3 && a.scalar_type() == at::kByte && a.size(1) * kBlock == k &&
                   a.size(2) == 16 && b.scalar_type() == at::kHalf &&
                   b.sizes() == at::IntArrayRef({n, 2, a.size(1)}),

@@ -19,7 +19,7 @@ def register() -> None:
 
     @torch.library.register_fake("torch_runner_native::int8_linear")
     def _int8(x, qw, scales, k, bias, residual, full_range):
-        return x.new_empty(x.shape[0], qw.shape[0])
+        return x.new_empty(x.shape[0], scales.shape[0])
 
     @torch.library.register_fake("torch_runner_native::int4_linear")
     def _int4(x, qs, dm, bias, residual):

@@ -213,8 +213,12 @@ void even_odd_rows(const T* x, int64_t m, int64_t k, std::vector<float>& out) {
 }
 
 // kFull: codes may be -128 (|w| as the unsigned operand, x's sign moved onto it: 2 ops a row);
-// else |x| is shared by the rows and w takes x's sign (1 op a row; -w overflows for w = -128)
-template <int R, bool kFull>
+// else |x| is shared by the rows and w takes x's sign (1 op a row; -w overflows for w = -128).
+// kTiled: codes tiled [N / 4, Kp / 32, 4, 32] (a row block's 4 rows block by block: one stream,
+// as the packed dense layout; w: the row block's first code plus r0 * 32 for dot<1>); else rows
+// [N, Kp]. Tiled measured ~34 GB/s from L3 and ~17 from DRAM as rows, i.e. stream-bound (log
+// session 28); it prefetches kPackedAhead bytes on
+template <int R, bool kFull, bool kTiled = false>
 inline void int8_dot(const int8_t* w, int64_t kp, const int8_t* xq, const float* xd, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -223,10 +227,17 @@ inline void int8_dot(const int8_t* w, int64_t kp, const int8_t* xq, const float*
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
     const __m256i ax = _mm256_sign_epi8(xv, xv);  // |x| (x in -127..127)
     const __m256 dx = _mm256_broadcast_ss(xd + b);
+    if (kTiled) {  // a block of 4 rows is 128 bytes: two lines
+      const char* ahead = reinterpret_cast<const char*>(w + b * kRows * kBlock) + kPackedAhead;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    }
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * kp + b * kBlock), _MM_HINT_T0);
-      const __m256i wv =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * kp + b * kBlock));
+      if (!kTiled) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kRows) * kp + b * kBlock), _MM_HINT_T0);
+      }
+      const int8_t* codes = kTiled ? w + (b * kRows + r) * kBlock : w + r * kp + b * kBlock;
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
       const __m256i prod = kFull ? _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv))
                                  : _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv));
       const __m256i dot = _mm256_madd_epi16(prod, ones);
@@ -334,12 +345,17 @@ void run_rows(int64_t m, int64_t n, int64_t row_bytes, const T* bias, const T* r
 
 // kInt8Full: int8 codes that may hold -128 (int8_dot's kFull)
 // kDensePacked: fp32 / bf16 tiled [N / 4, K / 16, 4, 16] (N % 4 == 0, K % 16 == 0)
-enum class Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt8Full = 3, kDensePacked = 4 };
+// kInt8Tiled / kInt8FullTiled: int8 codes tiled [N / 4, Kp / 32, 4, 32] (int8_dot's kTiled)
+enum class Kind : int64_t {
+  kDense = 0, kInt8 = 1, kInt4 = 2, kInt8Full = 3, kDensePacked = 4, kInt8Tiled = 5, kInt8FullTiled = 6
+};
+
 
 // One linear's weight fields (pointers into tensors the caller keeps alive)
 struct LinearRef {
   Kind kind;
-  const void* w;    // dense: fp32 / bf16 [N, K] (packed: [N / 4, K / 16, 4, 16]); int8: codes [N, Kp]; int4: qs [N, K / 32, 16]
+  const void* w;    // dense: fp32 / bf16 [N, K] (packed: [N / 4, K / 16, 4, 16]); int8: codes [N, Kp]
+                    // (tiled: [N / 4, Kp / 32, 4, 32]); int4: qs [N, K / 32, 16]
   const void* aux;  // int8: fp32 scales [N]; int4: fp16 dm [N, 2, K / 32]; dense: unused
   bool is_bf16;     // dense / packed dense: the weight dtype
   int64_t n, k;
@@ -426,6 +442,30 @@ void linear_into(const LinearRef& lw, const T* x, int64_t m, const T* bias, cons
   const int8_t* xq = s.q.data();
   const float* xd = s.d.data();
   const float* xs = s.s.data();
+  if (lw.kind == Kind::kInt8Tiled || lw.kind == Kind::kInt8FullTiled) {  // the AVX2 kernel
+    const int8_t* wp = static_cast<const int8_t*>(lw.w);
+    const float* sp = static_cast<const float*>(lw.aux);
+    auto rows = [&](auto full) {
+      constexpr bool kFull = decltype(full)::value;
+      run_rows(
+          m, n, kp, bias, residual, out,
+          [&](int64_t row, int64_t i, float* o) {  // a row of a block: its offset in each chunk
+            const int8_t* w0 = wp + row / kRows * kRows * kp + row % kRows * kBlock;
+            int8_dot<1, kFull, true>(w0, kp, xq + i * kp, xd + i * nb, o);
+            o[0] *= sp[row];
+          },
+          [&](int64_t row, int64_t i, float* o) {
+            int8_dot<4, kFull, true>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
+            for (int r = 0; r < 4; ++r) o[r] *= sp[row + r];
+          });
+    };
+    if (lw.kind == Kind::kInt8FullTiled) {
+      rows(std::true_type{});
+    } else {
+      rows(std::false_type{});
+    }
+    return;
+  }
   if (lw.kind == Kind::kInt8 || lw.kind == Kind::kInt8Full) {
     const int8_t* wp = static_cast<const int8_t*>(lw.w);
     const float* sp = static_cast<const float*>(lw.aux);

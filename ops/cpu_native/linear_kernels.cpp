@@ -77,18 +77,24 @@ at::Tensor dense_packed_linear(const at::Tensor& x, const at::Tensor& w,
   return run(lw, x, bias, residual);
 }
 
+// qw: int8 codes [N, Kp] or their tiling [N / 4, Kp / 32, 4, 32] (linear.h's int8_dot kTiled)
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
                        int64_t k, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual, bool full_range) {
-  const int64_t n = qw.size(0), kp = qw.size(1);
-  TORCH_CHECK(qw.dim() == 2 && qw.is_contiguous() && qw.scalar_type() == at::kChar &&
-                  kp == (k + kBlock - 1) / kBlock * kBlock,
-              "int8_linear: qweight must be contiguous int8 [N, ceil(K / 32) * 32]; got ",
-              qw.sizes(), " for K=", k);
+  const bool tiled = qw.dim() == 4;
+  const int64_t kp = (k + kBlock - 1) / kBlock * kBlock;
+  const int64_t n = tiled ? qw.size(0) * tr_native::kRows : qw.size(0);
+  const bool fits = tiled ? qw.size(1) * kBlock == kp && qw.size(2) == tr_native::kRows &&
+                                qw.size(3) == kBlock
+                          : qw.dim() == 2 && qw.size(1) == kp;
+  TORCH_CHECK(fits && qw.is_contiguous() && qw.scalar_type() == at::kChar,
+              "int8_linear: qweight must be contiguous int8 [N, ceil(K / 32) * 32] or its tiling "
+              "[N / 4, ceil(K / 32), 4, 32]; got ", qw.sizes(), " for K=", k);
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == n,
               "int8_linear: scales must be float32 [N]");
   check_x(x, k, "int8_linear");
-  const Kind kind = full_range ? Kind::kInt8Full : Kind::kInt8;
+  const Kind kind = tiled ? (full_range ? Kind::kInt8FullTiled : Kind::kInt8Tiled)
+                          : (full_range ? Kind::kInt8Full : Kind::kInt8);
   return run({kind, qw.data_ptr(), scales.data_ptr(), false, n, k}, x, bias, residual);
 }
 

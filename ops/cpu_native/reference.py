@@ -49,21 +49,21 @@ def dense_linear(x, w, bias=None, residual=None) -> torch.Tensor:
     return finish(x.float() @ w.float().T, x.dtype, bias, residual)
 
 
-def pack_dense(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> the packed tiling [N / 4, K / 16, 4, 16] (linear.h's kDensePacked); N % 4 == 0,
-    K % 16 == 0."""
+def tile_rows(w: torch.Tensor, width: int = 16) -> torch.Tensor:
+    """[N, K] -> the tiling [N / 4, K / width, 4, width] (linear.h: dense tiles of 16 values,
+    int8 codes of 32); N % 4 == 0, K % width == 0."""
     n, k = w.shape
-    return w.reshape(n // 4, 4, k // 16, 16).transpose(1, 2).contiguous()
+    return w.reshape(n // 4, 4, k // width, width).transpose(1, 2).contiguous()
 
 
-def unpack_dense(tiles: torch.Tensor) -> torch.Tensor:
-    """pack_dense's inverse: [N / 4, K / 16, 4, 16] -> [N, K] (a copy)."""
-    nb, kc = tiles.shape[:2]
-    return tiles.transpose(1, 2).reshape(nb * 4, kc * 16)
+def untile_rows(tiles: torch.Tensor) -> torch.Tensor:
+    """tile_rows' inverse: [N / 4, K / width, 4, width] -> [N, K] (a copy)."""
+    nb, kc, rows, width = tiles.shape
+    return tiles.transpose(1, 2).reshape(nb * rows, kc * width)
 
 
 def dense_packed_linear(x, tiles, bias=None, residual=None) -> torch.Tensor:
-    return dense_linear(x, unpack_dense(tiles), bias, residual)
+    return dense_linear(x, untile_rows(tiles), bias, residual)
 
 
 def int8_weight(qw: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:

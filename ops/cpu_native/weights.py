@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ops.cpu_native import reference
-from ops.cpu_native.build import native_ops
+from ops.cpu_native.build import isa, native_ops
 from ops.quant.int_linear import QuantizedLinearWeight
 
 DENSE_MAX_ROWS = 8  # more rows: MKL's GEMM reuses the weights better than the per-row GEMV
@@ -69,7 +69,7 @@ class NativeDenseWeight(NativeWeight):
 
 
 class NativePackedDenseWeight(NativeWeight):
-    """Dense fp32 / bf16 tiled [N / 4, K / 16, 4, 16] (reference.pack_dense; linear.h says why):
+    """Dense fp32 / bf16 tiled [N / 4, K / 16, 4, 16] (reference.tile_rows; linear.h says why):
     the same products as NativeDenseWeight, bit for bit, with the weight read as one stream. A
     product of more than DENSE_MAX_ROWS rows unpacks a temporary [N, K] for MKL."""
 
@@ -78,7 +78,7 @@ class NativePackedDenseWeight(NativeWeight):
         if n % 4 or k % 16:
             raise ValueError(f"packed dense: N={n} must be a multiple of 4 and K={k} of 16")
         super().__init__(n, k, weight.dtype, weight.device)
-        self.tiles = reference.pack_dense(weight.detach())
+        self.tiles = reference.tile_rows(weight.detach())
 
     def run(self, x, bias, residual):
         lib = self.lib
@@ -90,7 +90,7 @@ class NativePackedDenseWeight(NativeWeight):
         return out if residual is None else out.add_(residual)
 
     def dequantize(self) -> torch.Tensor:
-        return reference.unpack_dense(self.tiles)
+        return reference.untile_rows(self.tiles)
 
     def step_fields(self) -> tuple:
         return 4, self.tiles, None
@@ -99,30 +99,51 @@ class NativePackedDenseWeight(NativeWeight):
         return self.tiles.nbytes
 
 
-class NativeInt8Weight(NativeWeight):
-    """Per-row int8: qweight [N, Kp] (zero columns past K), fp32 scales [N]."""
+# decode_step's kind of an int8 weight (linear.h Kind), by (tiled, -128 codes)
+_INT8_KINDS = {(False, False): 1, (False, True): 3, (True, False): 5, (True, True): 6}
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+
+def prefers_tiles() -> bool:
+    """Whether weights take the tiled layouts (NativePackedDenseWeight, NativeInt8Weight's
+    `tiled`): with the AVX2 kernels, where they were measured (TORCH_RUNNER_CPU_ISA=avx2 picks
+    those on an AVX-512 CPU too)."""
+    return isa() == "avx2"
+
+
+class NativeInt8Weight(NativeWeight):
+    """Per-row int8: qweight [N, Kp] (zero columns past K), fp32 scales [N]; `tiled` (where N %
+    4 == 0): the codes as [N / 4, Kp / 32, 4, 32] (reference.tile_rows; linear.h int8_dot says
+    why), the same products bit for bit."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                 tiled: bool = False):  # fmt: skip
         n, k = qweight.shape
         super().__init__(n, k, dtype, qweight.device)
         # -128 codes take the kernel's full-range variant (one more op a row: linear.h int8_dot)
         self.is_full_range = bool(qweight.numel()) and int(qweight.min()) == -128
         kp = -(-k // reference.BLOCK) * reference.BLOCK
         self.qweight = F.pad(qweight, (0, kp - k)).contiguous()
+        self.is_tiled = tiled and n % 4 == 0
+        if self.is_tiled:
+            self.qweight = reference.tile_rows(self.qweight, reference.BLOCK)
         self.scales = scales.float().contiguous()
+
+    def rows(self) -> torch.Tensor:
+        """The codes [N, Kp] (a copy when tiled)."""
+        return reference.untile_rows(self.qweight) if self.is_tiled else self.qweight
 
     def run(self, x, bias, residual):
         k, lib = self.shape[1], self.lib
         if lib is not None:
             return lib.int8_linear(x, self.qweight, self.scales, k, bias, residual,
                                    self.is_full_range)  # fmt: skip
-        return reference.int8_linear(x, self.qweight, self.scales, k, bias, residual)
+        return reference.int8_linear(x, self.rows(), self.scales, k, bias, residual)
 
     def dequantize(self) -> torch.Tensor:
-        return reference.int8_weight(self.qweight, self.scales, self.shape[1]).to(self.dtype)
+        return reference.int8_weight(self.rows(), self.scales, self.shape[1]).to(self.dtype)
 
     def step_fields(self) -> tuple:
-        return (3 if self.is_full_range else 1), self.qweight, self.scales
+        return _INT8_KINDS[self.is_tiled, self.is_full_range], self.qweight, self.scales
 
     def nbytes(self) -> int:
         return self.qweight.nbytes + self.scales.nbytes
