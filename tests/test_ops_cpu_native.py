@@ -12,6 +12,7 @@ import torch
 from ops.cpu_native import build, reference
 from ops.cpu_native.weights import (
     DENSE_MAX_ROWS,
+    TILED_FP32_MAX_ROWS,
     NativeDenseWeight,
     NativeInt4Weight,
     NativeInt8Weight,
@@ -111,11 +112,12 @@ def test_packed_dense_gemv_is_the_rows_gemv_bit_for_bit(lib, m, n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_dense_prefill_and_the_reference_fallback(lib, monkeypatch, dtype):
-    """More than DENSE_MAX_ROWS rows unpack for MKL; without the library the reference runs:
-    both the fp64 product within fp32 error."""
+@pytest.mark.parametrize("m", [DENSE_MAX_ROWS + 5, TILED_FP32_MAX_ROWS + 3])
+def test_packed_dense_prefill_and_the_reference_fallback(lib, monkeypatch, dtype, m):
+    """Many rows (the kernel, or MKL on an untiled copy for fp32 past TILED_FP32_MAX_ROWS);
+    without the library the reference runs: each the fp64 product within fp32 error."""
     torch.manual_seed(1)
-    w, x = torch.randn(64, 96).to(dtype), torch.randn(DENSE_MAX_ROWS + 5, 96).to(dtype)
+    w, x = torch.randn(64, 96).to(dtype), torch.randn(m, 96).to(dtype)
     packed = NativePackedDenseWeight(w)
     want64, scale = brute_force(x, w)
     check(packed.linear(x, None), reference.dense_linear(x, w), want64, scale, dtype)
