@@ -91,6 +91,7 @@ def test_tied_head_tiles_serve_the_embedding_lookups(llama, monkeypatch, dtype):
     model = engine.runner.model
     embed, head = model.model.embed_tokens, model.lm_head.weight
     assert isinstance(embed, native_weights.TiledEmbedding) and embed.head is head
+    assert engine.runner.fast_decode.embed is embed  # the dense table is not held elsewhere
     want = llama[1].get_input_embeddings().weight.detach().to(dtype)  # [V, H]
     ids = torch.tensor([[0, 1, 2, 3, 4, 5], [want.shape[0] - 1, 7, 7, 0, 9, 13]])
     assert torch.equal(embed(ids), want[ids])
