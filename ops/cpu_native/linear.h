@@ -442,50 +442,42 @@ void linear_into(const LinearRef& lw, const T* x, int64_t m, const T* bias, cons
   const int8_t* xq = s.q.data();
   const float* xd = s.d.data();
   const float* xs = s.s.data();
-  if (lw.kind == Kind::kInt8Tiled || lw.kind == Kind::kInt8FullTiled) {  // the AVX2 kernel
+  if (lw.kind != Kind::kInt4) {  // int8: rows, or tiles (the AVX2 kernel on either build)
     const int8_t* wp = static_cast<const int8_t*>(lw.w);
     const float* sp = static_cast<const float*>(lw.aux);
-    auto rows = [&](auto full) {
-      constexpr bool kFull = decltype(full)::value;
+    auto rows = [&](auto full, auto tiles) {
+      constexpr bool kFull = decltype(full)::value, kTiled = decltype(tiles)::value;
+      auto dot = [&](auto r_count, const int8_t* w0, int64_t i, float* o) {
+        constexpr int R = decltype(r_count)::value;
+        if constexpr (kTiled) {
+          int8_dot<R, kFull, true>(w0, kp, xq + i * kp, xd + i * nb, o);
+        } else {
+          dots::int8_dot<R, kFull>(w0, kp, xq + i * kp, xd + i * nb, o);
+        }
+      };
       run_rows(
           m, n, kp, bias, residual, out,
-          [&](int64_t row, int64_t i, float* o) {  // a row of a block: its offset in each chunk
-            const int8_t* w0 = wp + row / kRows * kRows * kp + row % kRows * kBlock;
-            int8_dot<1, kFull, true>(w0, kp, xq + i * kp, xd + i * nb, o);
+          [&](int64_t row, int64_t i, float* o) {  // tiled: the row's offset in its block's chunks
+            const int8_t* w0 = kTiled ? wp + row / kRows * kRows * kp + row % kRows * kBlock
+                                      : wp + row * kp;
+            dot(std::integral_constant<int, 1>{}, w0, i, o);
             o[0] *= sp[row];
           },
           [&](int64_t row, int64_t i, float* o) {
-            int8_dot<4, kFull, true>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
+            dot(std::integral_constant<int, 4>{}, wp + row * kp, i, o);
             for (int r = 0; r < 4; ++r) o[r] *= sp[row + r];
           });
     };
-    if (lw.kind == Kind::kInt8FullTiled) {
-      rows(std::true_type{});
+    const bool full = lw.kind == Kind::kInt8Full || lw.kind == Kind::kInt8FullTiled;
+    const bool tiled = lw.kind == Kind::kInt8Tiled || lw.kind == Kind::kInt8FullTiled;
+    if (full && tiled) {
+      rows(std::true_type{}, std::true_type{});
+    } else if (full) {
+      rows(std::true_type{}, std::false_type{});
+    } else if (tiled) {
+      rows(std::false_type{}, std::true_type{});
     } else {
-      rows(std::false_type{});
-    }
-    return;
-  }
-  if (lw.kind == Kind::kInt8 || lw.kind == Kind::kInt8Full) {
-    const int8_t* wp = static_cast<const int8_t*>(lw.w);
-    const float* sp = static_cast<const float*>(lw.aux);
-    auto rows = [&](auto full) {
-      constexpr bool kFull = decltype(full)::value;
-      run_rows(
-          m, n, kp, bias, residual, out,
-          [&](int64_t row, int64_t i, float* o) {
-            dots::int8_dot<1, kFull>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
-            o[0] *= sp[row];
-          },
-          [&](int64_t row, int64_t i, float* o) {
-            dots::int8_dot<4, kFull>(wp + row * kp, kp, xq + i * kp, xd + i * nb, o);
-            for (int r = 0; r < 4; ++r) o[r] *= sp[row + r];
-          });
-    };
-    if (lw.kind == Kind::kInt8Full) {
-      rows(std::true_type{});
-    } else {
-      rows(std::false_type{});
+      rows(std::false_type{}, std::false_type{});
     }
     return;
   }
