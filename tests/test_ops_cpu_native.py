@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ops.cpu_native import build, reference
+from ops.cpu_native import weights as weights_module
 from ops.cpu_native.weights import (
     DENSE_MAX_ROWS,
     TILED_FP32_MAX_ROWS,
@@ -121,6 +122,13 @@ def test_packed_dense_prefill_and_the_reference_fallback(lib, monkeypatch, dtype
     packed = NativePackedDenseWeight(w)
     want64, scale = brute_force(x, w)
     check(packed.linear(x, None), reference.dense_linear(x, w), want64, scale, dtype)
+    if m > TILED_FP32_MAX_ROWS and dtype == torch.float32:  # MKL on the shared scratch rows
+        other = NativePackedDenseWeight(torch.randn(32, 96).to(dtype))
+        check(other.linear(x, None), reference.dense_linear(x, other.dequantize()),
+              *brute_force(x, other.dequantize()), dtype)  # fmt: skip
+        check(packed.linear(x, None), reference.dense_linear(x, w), want64, scale, dtype)
+        monkeypatch.setattr(weights_module, "UNTILED_MAX_BYTES", 0)  # a temporary instead
+        check(packed.linear(x, None), reference.dense_linear(x, w), want64, scale, dtype)
     monkeypatch.setattr(packed, "lib", None)
     few = x[:3].contiguous()
     assert torch.equal(packed.linear(few, None), reference.dense_linear(few, w))
