@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.layers import Attention, GatedMLP
+from models.layers import Attention, GatedMLP, to_placeholders
 from ops.quant import fp8 as qfp8
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def dequantize_weights(weights: dict, scales: dict, fmt: Fp8Format) -> None:
 
 def apply_checkpoint_fp8(model: nn.Module, scales: dict, fmt: Fp8Format, dtype) -> int:
     """Replace the loaded (fused) fp8 weights by Fp8Weight objects; returns how many."""
-    from models.quantize import _replace_buffer, _replace_weight, _to_placeholders
+    from models.quantize import _replace_buffer, _replace_weight
 
     used = set()
 
@@ -156,7 +156,7 @@ def apply_checkpoint_fp8(model: nn.Module, scales: dict, fmt: Fp8Format, dtype) 
             raise ValueError(f"{', '.join(names)}: rows not a multiple of the block size")
         used.update(names)
         _replace_buffer(module, attr, qfp8.Fp8Weight(weight, torch.cat(full), dtype, fmt.block))
-        _to_placeholders(*linears)
+        to_placeholders(*linears)
 
     def single(linear: nn.Linear, name: str) -> None:
         key = f"{name}.weight"

@@ -277,6 +277,14 @@ class PackedHead(nn.Module):
         self.register_buffer("weight", weight, persistent=False)
 
 
+def to_placeholders(*linears: nn.Linear) -> None:
+    """Replace each linear's weight (a view of a fused matrix that was re-laid out) by a `meta`
+    tensor of its shape and dtype, so the dense matrix is freed and the names stay."""
+    for lin in linears:
+        meta = torch.empty(lin.weight.shape, dtype=lin.weight.dtype, device="meta")
+        lin.weight = nn.Parameter(meta, requires_grad=False)
+
+
 def pack_linear_weights(model: nn.Module) -> None:
     """Pack every decode matmul's weight for the CPU kernel (`ops.pack_weight`), in place.
 
@@ -289,11 +297,6 @@ def pack_linear_weights(model: nn.Module) -> None:
 
     def pack_param(linear: nn.Linear) -> None:
         linear.weight = nn.Parameter(ops.pack_weight(linear.weight), requires_grad=False)
-
-    def to_placeholders(*linears: nn.Linear) -> None:
-        for lin in linears:
-            meta = torch.empty(lin.weight.shape, dtype=lin.weight.dtype, device="meta")
-            lin.weight = nn.Parameter(meta, requires_grad=False)
 
     # each dense matrix is freed as its packed copy replaces it; handing the freed memory back to
     # the OS after every module (glibc keeps it mapped) keeps the peak at the weights plus one

@@ -9,10 +9,11 @@ the vocabulary is held once.
 
 Why: on the AVX2-only box MKL / oneDNN streamed the batch-1 matrices at 12-19 GB/s around a
 large per-call overhead; the native GEMV is the same fp32-accumulated product (summation order
-aside) without it (docs/performance-log.md, 2026-12-03 cpunative). Each weight is wrapped, not
-copied (NativeDenseWeight keeps the tensor), so the q/k/v and gate/up views stay valid; a
-prefill's product of many rows still runs MKL through F.linear. int8 / int4 weights get their
-native formats where models/quantize.py packs them.
+aside) without it (docs/performance-log.md, 2026-12-03 cpunative). Without tiles each weight
+is wrapped, not copied (NativeDenseWeight keeps the tensor), so the q/k/v and gate/up views stay
+valid and a prefill's product of many rows runs MKL through F.linear (the tiles: weights.py says
+which products leave the kernel). int8 / int4 weights get their native formats where
+models/quantize.py packs them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers import Attention, GatedMLP, PackedHead
+from models.layers import Attention, GatedMLP, PackedHead, to_placeholders
 from models.quantize import return_freed_memory
 from ops.cpu_native import hugepages
 from ops.cpu_native import weights as cpu_weights
@@ -59,9 +60,7 @@ def native_linear_weights(model: nn.Module) -> int:
             module._buffers.pop(name, None)
             setattr(module, name, value)
         if isinstance(value, NativePackedDenseWeight):  # the parts' views would pin the rows
-            for lin in parts:
-                meta = torch.empty(lin.weight.shape, dtype=lin.weight.dtype, device="meta")
-                lin.weight = nn.Parameter(meta, requires_grad=False)
+            to_placeholders(*parts)
 
     for module in list(model.modules()):
         if tiles and isinstance(module, (Attention, GatedMLP)):

@@ -19,7 +19,7 @@ import sys
 import torch
 from torch import nn
 
-from models.layers import Attention, GatedMLP, PackedHead
+from models.layers import Attention, GatedMLP, PackedHead, to_placeholders
 from ops.cpu_native import weights as cpu_weights
 from ops.cpu_native.build import wants_native
 from ops.cpu_native.weights import NativeInt4Weight, NativeInt8Weight
@@ -130,14 +130,14 @@ def _replace_linears(model: nn.Module, quantize) -> None:
                 module.fuse()
             qkv = quantize(module.qkv_weight, name, FUSED_GROUPS[0])
             _replace_buffer(module, "qkv_weight", qkv)
-            _to_placeholders(module.q_proj, module.k_proj, module.v_proj)
+            to_placeholders(module.q_proj, module.k_proj, module.v_proj)
             _replace_weight(module.o_proj, quantize(module.o_proj.weight, f"{name}.o_proj"))
         elif isinstance(module, GatedMLP):
             if module.gate_up_weight is None:
                 module.fuse()
             gate_up = quantize(module.gate_up_weight, name, FUSED_GROUPS[1])
             _replace_buffer(module, "gate_up_weight", gate_up)
-            _to_placeholders(module.gate_proj, module.up_proj)
+            to_placeholders(module.gate_proj, module.up_proj)
             _replace_weight(
                 module.down_proj, quantize(module.down_proj.weight, f"{name}.down_proj")
             )
@@ -210,12 +210,6 @@ def _replace_weight(linear: nn.Linear, value) -> None:
         return
     del linear.weight  # a parameter slot only takes tensors
     linear.weight = value
-
-
-def _to_placeholders(*linears: nn.Linear) -> None:
-    for lin in linears:
-        meta = torch.empty(lin.weight.shape, dtype=lin.weight.dtype, device="meta")
-        lin.weight = nn.Parameter(meta, requires_grad=False)
 
 
 def quantize_linears_fp8(model: nn.Module) -> int:
