@@ -143,6 +143,15 @@ def test_packed_dense_bad_shapes_are_clear_errors(lib):
         lib.dense_packed_linear(torch.ones(1, 32), torch.ones(8, 32), None, None)
     with pytest.raises(RuntimeError, match="takes K=32"):
         lib.dense_packed_linear(torch.ones(1, 16), torch.ones(2, 2, 4, 16), None, None)
+    codes, scales = torch.ones(2, 3, 4, 32, dtype=torch.int8), torch.ones(8)  # N=8, K=96 tiled
+    with pytest.raises(
+        RuntimeError, match=r"\[N / 4, ceil\(K / 32\), 4, 32\]; got \[2, 3, 4, 32\] for K=64"
+    ):
+        lib.int8_linear(torch.ones(1, 64), codes, scales, 64, None, None, False)
+    with pytest.raises(RuntimeError, match=r"scales must be float32 \[N\]"):
+        lib.int8_linear(torch.ones(1, 96), codes, torch.ones(6), 96, None, None, False)
+    out = lib.int8_linear(torch.ones(1, 96), codes, scales, 96, None, None, False)
+    torch.testing.assert_close(out, torch.full((1, 8), 96.0))  # 96 ones times codes of 1
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES + ODD_K)
