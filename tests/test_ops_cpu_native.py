@@ -123,6 +123,11 @@ def test_packed_dense_prefill_and_the_reference_fallback(lib, monkeypatch, dtype
     want64, scale = brute_force(x, w)
     check(packed.linear(x, None), reference.dense_linear(x, w), want64, scale, dtype)
     if m > TILED_FP32_MAX_ROWS and dtype == torch.float32:  # MKL on the shared scratch rows
+        monkeypatch.setattr(weights_module, "_UNTILED", {})
+        with torch.inference_mode():  # the engine's mode: the scratch must outlive it, writable
+            big = NativePackedDenseWeight(torch.randn(128, 96).to(dtype))
+            check(big.linear(x, None), reference.dense_linear(x, big.dequantize()),
+                  *brute_force(x, big.dequantize()), dtype)  # fmt: skip
         other = NativePackedDenseWeight(torch.randn(32, 96).to(dtype))
         check(other.linear(x, None), reference.dense_linear(x, other.dequantize()),
               *brute_force(x, other.dequantize()), dtype)  # fmt: skip

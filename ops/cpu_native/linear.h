@@ -5,7 +5,8 @@
 // dense: fp32 or bf16 weights [N, K], fp32 accumulation (bf16 widened in registers, bf16_dot).
 // packed dense: the same values tiled [N / 4, K / 16, 4, 16] (a row block's 4 rows chunk by chunk:
 //        one sequential stream instead of 4 short ones), same sums in the same order.
-// int8:  per-row int8 weights [N, Kp] (Kp = K rounded up to 32, zero columns), fp32 scales [N].
+// int8:  per-row int8 weights [N, Kp] (Kp = K rounded up to 32, zero columns; or tiled
+//        [N / 4, Kp / 32, 4, 32] as the packed dense layout), fp32 scales [N].
 // int4:  per 32 columns (llama.cpp Q4_1 order: byte j = code j | code j+16 << 4) codes
 //        qs [N, K/32, 16] uint8 and fp16 scales and mins dm [N, 2, K/32] (row n's K/32 scales,
 //        then its mins): w = code * scale + min.
@@ -216,8 +217,8 @@ void even_odd_rows(const T* x, int64_t m, int64_t k, std::vector<float>& out) {
 // else |x| is shared by the rows and w takes x's sign (1 op a row; -w overflows for w = -128).
 // kTiled: codes tiled [N / 4, Kp / 32, 4, 32] (a row block's 4 rows block by block: one stream,
 // as the packed dense layout; w: the row block's first code plus r0 * 32 for dot<1>); else rows
-// [N, Kp]. Tiled measured ~34 GB/s from L3 and ~17 from DRAM as rows, i.e. stream-bound (log
-// session 28); it prefetches kPackedAhead bytes on
+// [N, Kp]. As rows it read ~34 GB/s from L3 but ~17 from DRAM (stream-bound); tiled ~18-22 from
+// DRAM (log session 28). Tiled prefetches kPackedAhead bytes on
 template <int R, bool kFull, bool kTiled = false>
 inline void int8_dot(const int8_t* w, int64_t kp, const int8_t* xq, const float* xd, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);

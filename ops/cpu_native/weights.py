@@ -107,7 +107,8 @@ class NativePackedDenseWeight(NativeWeight):
             return reference.untile_rows(self.tiles)
         held = _UNTILED.get(self.dtype)
         if held is None or held.numel() < n * k:
-            held = _UNTILED[self.dtype] = torch.empty(n * k, dtype=self.dtype)
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of the mode
+                held = _UNTILED[self.dtype] = torch.empty(n * k, dtype=self.dtype)
         rows = held[: n * k].view(n, k)
         rows.view(n // 4, 4, k // 16, 16).copy_(self.tiles.transpose(1, 2))
         return rows
