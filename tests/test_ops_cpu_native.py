@@ -6,6 +6,8 @@ the raw format fields (nibbles unpacked with integer ops, q8 codes times their s
 SmolLM2 shapes and at odd ones (K not a multiple of 32, N not a multiple of the 4-row block).
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -123,12 +125,24 @@ def test_packed_dense_prefill_and_the_reference_fallback(lib, monkeypatch, dtype
     want64, scale = brute_force(x, w)
     check(packed.linear(x, None), reference.dense_linear(x, w), want64, scale, dtype)
     if m > TILED_FP32_MAX_ROWS and dtype == torch.float32:  # MKL on the shared scratch rows
-        monkeypatch.setattr(weights_module, "_UNTILED", {})
+        monkeypatch.setattr(weights_module, "_UNTILED", threading.local())
         with torch.inference_mode():  # the engine's mode: the scratch must outlive it, writable
             big = NativePackedDenseWeight(torch.randn(128, 96).to(dtype))
             check(big.linear(x, None), reference.dense_linear(x, big.dequantize()),
                   *brute_force(x, big.dequantize()), dtype)  # fmt: skip
         other = NativePackedDenseWeight(torch.randn(32, 96).to(dtype))
+        outs = {}  # another thread's products use its own scratch, never this one's
+
+        def in_thread():
+            outs["y"] = other.linear(x, None)
+            outs["ptr"] = weights_module._UNTILED.by_dtype[dtype].data_ptr()
+
+        worker = threading.Thread(target=in_thread)
+        worker.start()
+        worker.join()
+        check(outs["y"], reference.dense_linear(x, other.dequantize()),
+              *brute_force(x, other.dequantize()), dtype)  # fmt: skip
+        assert outs["ptr"] != weights_module._UNTILED.by_dtype[dtype].data_ptr()
         check(other.linear(x, None), reference.dense_linear(x, other.dequantize()),
               *brute_force(x, other.dequantize()), dtype)  # fmt: skip
         check(packed.linear(x, None), reference.dense_linear(x, w), want64, scale, dtype)

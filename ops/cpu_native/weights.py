@@ -9,6 +9,8 @@ through the reference (same results).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +20,8 @@ from ops.quant.int_linear import QuantizedLinearWeight
 
 DENSE_MAX_ROWS = 8  # more rows: MKL's GEMM reuses the weights better than the per-row GEMV
 TILED_FP32_MAX_ROWS = 64  # NativePackedDenseWeight: fp32 products of more rows run MKL
-_UNTILED: dict[torch.dtype, torch.Tensor] = {}  # NativePackedDenseWeight._untiled's scratch
+# NativePackedDenseWeight._untiled's scratch, one per thread (engines may step in parallel threads)
+_UNTILED = threading.local()
 UNTILED_MAX_BYTES = 64 << 20  # a larger matrix untiles into a temporary (no lasting scratch)
 
 
@@ -98,17 +101,18 @@ class NativePackedDenseWeight(NativeWeight):
         return out if residual is None else out.add_(residual)
 
     def _untiled(self) -> torch.Tensor:
-        """The weight [N, K] in a scratch buffer shared by every tiled weight of this dtype
-        (each product uses it before the next starts): a fresh [N, K] per prefill product
+        """The weight [N, K] in a scratch buffer shared by every tiled weight of this dtype on
+        this thread (each product uses it before the next starts): a fresh [N, K] per product
         page-faulted its pages in every time (fp32 prefill of 512 tokens 1.14 s against 0.99
         for row weights; log session 28)."""
         n, k = self.shape
         if n * k * self.tiles.element_size() > UNTILED_MAX_BYTES:  # e.g. a large vocabulary
             return reference.untile_rows(self.tiles)
-        held = _UNTILED.get(self.dtype)
+        scratch = _UNTILED.__dict__.setdefault("by_dtype", {})
+        held = scratch.get(self.dtype)
         if held is None or held.numel() < n * k:
             with torch.inference_mode(False):  # a normal tensor: writable in and out of the mode
-                held = _UNTILED[self.dtype] = torch.empty(n * k, dtype=self.dtype)
+                held = scratch[self.dtype] = torch.empty(n * k, dtype=self.dtype)
         rows = held[: n * k].view(n, k)
         rows.view(n // 4, 4, k // 16, 16).copy_(self.tiles.transpose(1, 2))
         return rows
