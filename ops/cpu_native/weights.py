@@ -80,8 +80,9 @@ class NativePackedDenseWeight(NativeWeight):
 
     Products of many rows (prefill, wide decode batches) stay on the native kernel too: bf16
     always (torch's bf16 matmul ran at ~18 GFLOPS on the AVX2 box, the kernel at ~80), fp32 up
-    to TILED_FP32_MAX_ROWS rows, past which MKL's GEMM on an untiled temporary [N, K] wins (8
-    gate/up matrices, ms: M=64 native 18.1 / MKL 22.4, M=256 86.1 / 57.9; log session 28)."""
+    to TILED_FP32_MAX_ROWS rows, past which MKL's GEMM on an untiled copy [N, K] (a per-thread
+    scratch buffer, `_untiled`) wins (8 gate/up matrices, ms: M=64 native 18.1 / MKL 22.4,
+    M=256 86.1 / 57.9; log session 28)."""
 
     def __init__(self, weight: torch.Tensor):
         n, k = weight.shape
