@@ -93,6 +93,8 @@ def test_packed_tiles_hold_each_value_where_the_layout_says():
     flat = tiles.flatten()  # row 5's values 16..31 follow rows 4's 16..31 in memory
     assert torch.equal(flat[(1 * 3 + 1) * 64 + 16 : (1 * 3 + 1) * 64 + 32], w[5, 16:32])
     assert torch.equal(reference.untile_rows(tiles), w)
+    out = torch.full_like(w, float("nan"))  # into a given [N, K] (the MKL path's scratch)
+    assert reference.untile_rows(tiles, out=out) is out and torch.equal(out, w)
 
 
 PACKED_SHAPES = [(1, 960, 576), (1, 576, 1536), (2, 3072, 576), (3, 12, 64), (8, 4, 16)]

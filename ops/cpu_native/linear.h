@@ -351,7 +351,6 @@ enum class Kind : int64_t {
   kDense = 0, kInt8 = 1, kInt4 = 2, kInt8Full = 3, kDensePacked = 4, kInt8Tiled = 5, kInt8FullTiled = 6
 };
 
-
 // One linear's weight fields (pointers into tensors the caller keeps alive)
 struct LinearRef {
   Kind kind;

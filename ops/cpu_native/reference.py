@@ -56,10 +56,14 @@ def tile_rows(w: torch.Tensor, width: int = 16) -> torch.Tensor:
     return w.reshape(n // 4, 4, k // width, width).transpose(1, 2).contiguous()
 
 
-def untile_rows(tiles: torch.Tensor) -> torch.Tensor:
-    """tile_rows' inverse: [N / 4, K / width, 4, width] -> [N, K] (a copy)."""
+def untile_rows(tiles: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """tile_rows' inverse: [N / 4, K / width, 4, width] -> [N, K] (a copy; into `out`, a
+    contiguous [N, K], when given)."""
     nb, kc, rows, width = tiles.shape
-    return tiles.transpose(1, 2).reshape(nb * rows, kc * width)
+    if out is None:
+        return tiles.transpose(1, 2).reshape(nb * rows, kc * width)
+    out.view(nb, rows, kc, width).copy_(tiles.transpose(1, 2))
+    return out
 
 
 def dense_packed_linear(x, tiles, bias=None, residual=None) -> torch.Tensor:

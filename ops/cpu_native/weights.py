@@ -114,9 +114,7 @@ class NativePackedDenseWeight(NativeWeight):
         if held is None or held.numel() < n * k:
             with torch.inference_mode(False):  # a normal tensor: writable in and out of the mode
                 held = scratch[self.dtype] = torch.empty(n * k, dtype=self.dtype)
-        rows = held[: n * k].view(n, k)
-        rows.view(n // 4, 4, k // 16, 16).copy_(self.tiles.transpose(1, 2))
-        return rows
+        return reference.untile_rows(self.tiles, out=held[: n * k].view(n, k))
 
     def dequantize(self) -> torch.Tensor:
         return reference.untile_rows(self.tiles)
