@@ -15,7 +15,6 @@ from engine_helpers import save_engine_checkpoint
 from torch_runner import Engine, SamplingParams
 
 POISON = 77  # a token id whose embedding output becomes NaN
-GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, logprobs=True)
 HEALTHY = [[5, 6, 7, 8], list(range(20, 41))]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,11 +35,14 @@ def engine(tmp_path_factory):
     )
 
 
-def test_non_finite_row_ends_only_its_request(engine):
-    alone = [o.token_ids for o in engine.generate(HEALTHY, GREEDY)]
+@pytest.mark.parametrize("logprobs", [True, False])  # False: the native greedy pick's own flag
+def test_non_finite_row_ends_only_its_request(engine, logprobs):
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, logprobs=logprobs)
+    alone = [o.token_ids for o in engine.generate(HEALTHY, params)]
+    flagged = engine.stats()["num_non_finite_requests"]
     handle = poison(engine)
     try:
-        outputs = engine.generate([HEALTHY[0], [1, 2, POISON, 3], HEALTHY[1]], GREEDY)
+        outputs = engine.generate([HEALTHY[0], [1, 2, POISON, 3], HEALTHY[1]], params)
     finally:
         handle.remove()
     bad = outputs[1]
@@ -49,4 +51,4 @@ def test_non_finite_row_ends_only_its_request(engine):
     assert [outputs[0].token_ids, outputs[2].token_ids] == alone
     assert all(o.finish_reason == "length" and o.error is None for o in (outputs[0], outputs[2]))
     assert engine.block_manager.num_used_blocks == 0 and not engine.requests
-    assert engine.stats()["num_non_finite_requests"] == 1
+    assert engine.stats()["num_non_finite_requests"] == flagged + 1

@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 KERNEL_MODES = ("native", "torch")
 KERNELS_ENV = "TORCH_RUNNER_CPU_KERNELS"
 SOURCES = [
-    Path(__file__).with_name(n)
-    for n in ("linear_kernels.cpp", "pointwise_kernels.cpp", "decode_step.cpp")
+    Path(__file__).with_name(f"{n}.cpp")
+    for n in ("linear_kernels", "pointwise_kernels", "decode_step", "greedy_kernels")
 ]
 HEADERS = [
     Path(__file__).with_name(n)
@@ -127,6 +127,12 @@ def native_ops():
     fake.register()  # fake impls: the compiled step traces them
 
     return torch.ops.torch_runner_native
+
+
+def loaded_ops():
+    """torch.ops.torch_runner_native when this process has already loaded the library (native
+    weights did), else None: for callers that use it only where it is there, never building it."""
+    return native_ops() if native_ops.cache_info().currsize else None
 
 
 def build_flags(kernels: str) -> list[str]:

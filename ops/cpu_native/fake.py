@@ -51,3 +51,7 @@ def register() -> None:
     def _decode_step(h, cos, ssin, weights, kinds, eps, pools_k, pools_v, write_slots, gather_slots,
                      kv_lens, hq, hkv, scale):  # fmt: skip
         return torch.empty_like(h)
+
+    @torch.library.register_fake("torch_runner_native::greedy_pick")
+    def _greedy_pick(x):
+        return x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0], dtype=torch.bool)

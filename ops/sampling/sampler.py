@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from ops.cpu_native.build import loaded_ops
 from ops.sampling.batch import MAX_BOUNDED_TOP_K, RowGroup, SamplingBatch
 from ops.sampling.plain import draw_plain
 from ops.sampling.seeded_hash import murmur_hash32, neg_gumbel_, seeded_neg_gumbel
@@ -48,6 +49,9 @@ class SampleOutput(NamedTuple):
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] fp32 chosen-token logprob; None when no row asked
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # (ids [B, K] int64, values [B, K] fp32)
+    # [B] bool: whether each row's raw logits were all finite, where the pick computed it on the
+    # way (the native greedy pick); None: the caller checks the logits itself
+    finite: torch.Tensor | None = None
 
 
 def sample(
@@ -63,6 +67,10 @@ def sample(
     (then for every row; the caller keeps the rows it needs).
     """
     check_shapes(logits, batch, positions)
+    lib = _native_greedy(logits, batch)
+    if lib is not None:  # the same ids as below, in one pass over the raw logits
+        token_ids, finite = lib.greedy_pick(logits)
+        return SampleOutput(token_ids, None, None, finite)
     scaled = process_logits(logits, batch)  # [B, V] fp32, finite or -inf
     token_ids = draw_tokens(scaled, batch, positions, generator)
     return _with_logprobs(scaled, token_ids, batch)
@@ -79,6 +87,25 @@ def draw_tokens(
     if batch.greedy is not None and batch.greedy.rows is None:
         return _argmax(scaled)  # greedy fast path
     return _sample_groups(scaled, batch, positions, generator)
+
+
+def _native_greedy(logits: torch.Tensor, batch: SamplingBatch):
+    """The native library (ops/cpu_native/greedy_kernels.cpp) when it can pick this batch: every row
+    greedy with no logit edit, penalty or logprobs, on CPU logits it reads (fp32 / bf16, unit
+    column stride), and this process has loaded it; else None. Its pick is argmax of
+    `process_logits`' output (nan_to_num of the raw logits), first index on ties."""
+    if (
+        batch.greedy is None
+        or batch.greedy.rows is not None
+        or batch.logit_edits is not None
+        or batch.penalties is not None
+        or batch.needs_logprobs
+        or logits.device.type != "cpu"
+        or logits.dtype not in (torch.float32, torch.bfloat16)
+        or logits.stride(-1) != 1
+    ):
+        return None
+    return loaded_ops()
 
 
 def check_shapes(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> None:

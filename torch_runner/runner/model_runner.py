@@ -350,7 +350,9 @@ class ModelRunner:
         # an error); folded into the one transfer of token ids below, so no extra sync. An fp32
         # row sum is NaN/inf iff some logit is (finite logits cannot reach 3e38 in total), and
         # costs a quarter of the argmax (isfinite().all() cost 6x the argmax: a [B, V] bool)
-        is_finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # [B]
+        is_finite = out.finite  # the native greedy pick's flags, else:
+        if is_finite is None:
+            is_finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # [B]
         token_ids = torch.where(is_finite, out.token_ids, NON_FINITE_TOKEN)
         # the next step's chained rows read the sampler's ids (always valid vocabulary ids)
         self._future = (out.token_ids, {s.request_id: i for i, s in enumerate(seqs)})
