@@ -147,6 +147,7 @@ def test_native_decode_step_is_the_per_op_native_path_bit_for_bit(llama, monkeyp
     runner._forward_group = both
     _run(engine)
     assert {1, 2, 3, 4} <= sizes
+    assert isinstance(flat._plan[2], torch.ScriptMethod), "the steps ran a DecodePlan"
 
 
 def test_native_decode_step_rejects_bad_weights(llama, monkeypatch):
@@ -166,3 +167,14 @@ def test_native_decode_step_rejects_bad_weights(llama, monkeypatch):
     with pytest.raises(RuntimeError, match=r"weights\[2\] \(qkv\) is None"):  # int8: no scales
         lib.decode_step(h, cos, cos, weights, [1, *kinds[1:]], eps, pools, pools, slot, slot,
                         lens, hq, hkv, scale)  # fmt: skip
+    plan = torch.classes.torch_runner_native.DecodePlan  # the same checks, once
+    with pytest.raises(RuntimeError, match="14 weights per layer"):
+        plan(weights[:-1], kinds, eps, pools, pools, hq, hkv, scale)
+    with pytest.raises(RuntimeError, match=r"weights\[2\] \(qkv\) is None"):
+        plan(weights, [1, *kinds[1:]], eps, pools, pools, hq, hkv, scale)
+    run = plan(weights, kinds, eps, pools, pools, hq, hkv, scale).run
+    with pytest.raises(RuntimeError, match="h must be of the pools' and biases' dtype"):
+        run(h.bfloat16(), cos.bfloat16(), cos.bfloat16(), slot, slot, lens)
+    with pytest.raises(RuntimeError, match="kv_len out of range"):
+        run(h, cos, cos, slot, slot, lens + 1)
+    assert run(h, cos, cos, slot, slot, lens).shape == h.shape

@@ -41,7 +41,7 @@ SOURCES = [
 ]
 HEADERS = [
     Path(__file__).with_name(n)
-    for n in ("simd.h", "linear.h", "linear512.h", "pointwise.h", "attention.h")
+    for n in ("simd.h", "linear.h", "linear512.h", "pointwise.h", "attention.h", "decode_plan.h")
 ]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: at::parallel_for's threads
 # linear512.h's kernels: AVX-512 BW / VL / DQ with VNNI (vpdpbusd) and BF16 (vdpbf16ps)
