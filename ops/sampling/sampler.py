@@ -2,7 +2,9 @@
 
 No random choice needs a multinomial or a host sync. Rows take one of three paths, chosen on the
 host when the batch was built:
-  greedy     argmax of the edited logits; no randomness consumed.
+  greedy     argmax of the edited logits; no randomness consumed. An all-greedy CPU batch with
+             nothing to edit takes one native pass (ops/cpu_native greedy_pick), which also
+             says which rows held NaN / inf.
   plain      temperature only, over the whole vocabulary (ops/sampling/plain.py): unseeded rows
              by inverse CDF (softmax, cumsum, one uniform per row); seeded rows by Gumbel-max,
              argmax(scaled + g), every token hashed (on CPU in cache-sized column chunks).
