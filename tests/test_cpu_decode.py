@@ -178,3 +178,33 @@ def test_native_decode_step_rejects_bad_weights(llama, monkeypatch):
     with pytest.raises(RuntimeError, match="kv_len out of range"):
         run(h, cos, cos, slot, slot, lens + 1)
     assert run(h, cos, cos, slot, slot, lens).shape == h.shape
+
+
+def test_native_step_plan_falls_back_to_the_op_for_caches_out_of_layer_order(llama, monkeypatch):
+    """A DecodePlan binds layer i to pool layer i; caches in another order (or pools) get the
+    decode_step op over exactly their pools, never a plan of the wrong layers."""
+    if not build.has_avx2():
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("TORCH_RUNNER_CPU_KERNELS", "native")
+    flat = _engine(llama[0]).runner.fast_decode
+    weights, kinds, eps, hq, hkv, scale = flat.step_args
+    layers, d = len(kinds) // 4, flat.layers[0][6]
+    torch.manual_seed(0)
+    k = torch.randn(layers, 8, hkv, d)
+    pool = SimpleNamespace(k_layers=k.unbind(0), v_layers=torch.randn_like(k).unbind(0))
+    order = [*range(1, layers), 0]  # every cache one layer on
+    caches = [SimpleNamespace(pool=pool, layer=i) for i in order]
+    run = flat._make_plan(caches)
+    assert not isinstance(run, torch.ScriptMethod)
+    h, cos = torch.randn(1, weights[0].numel()), torch.randn(1, d)
+    slot, lens = torch.tensor([3]), torch.tensor([4])
+    gather = torch.arange(4)
+    got = run(h, cos, cos, slot, gather, lens)
+    ks, vs = [t.clone() for t in pool.k_layers], [t.clone() for t in pool.v_layers]
+    want = flat.native.decode_step(h, cos, cos, weights, kinds, eps, [ks[i] for i in order],
+                                   [vs[i] for i in order], slot, gather, lens, hq, hkv, scale)  # fmt: skip
+    assert torch.equal(got, want)
+    in_order = flat._make_plan([SimpleNamespace(pool=pool, layer=i) for i in range(layers)])
+    assert isinstance(in_order, torch.ScriptMethod)
