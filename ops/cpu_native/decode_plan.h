@@ -107,8 +107,9 @@ inline StepPlan make_plan(const Weights& ws, at::IntArrayRef kinds, at::ArrayRef
   const int64_t d = pools_k[0].size(-1);
   TORCH_CHECK(d % 8 == 0 && hkv >= 1 && hq % hkv == 0, "decode_step: head_dim must be a multiple of 8"
               " and hq a multiple of hkv");
-  StepPlan plan{{}, need(ws, layers * kPerLayer, "norm"), eps[2 * layers], 0, hq, hkv, d, scale, {}, {}};
-  plan.hidden = plan.norm.numel();
+  StepPlan plan;
+  plan.hidden = need(ws, layers * kPerLayer, "norm").numel();  // the final norm's size: H
+  plan.hq = hq, plan.hkv = hkv, plan.d = d, plan.scale = scale, plan.eps = eps[2 * layers];
   const int64_t hidden = plan.hidden, width = (hq + 2 * hkv) * d;
   auto fix_act = [&](const at::Tensor& t, const char* what) {  // one activation dtype for all
     TORCH_CHECK(!plan.act || *plan.act == t.scalar_type(), "decode_step: ", what,
@@ -122,7 +123,7 @@ inline StepPlan make_plan(const Weights& ws, at::IntArrayRef kinds, at::ArrayRef
                 "decode_step: a norm weight must be contiguous fp32 / bf16 [", hidden, "]");
     return w;
   };
-  norm_weight(layers * kPerLayer, "norm");
+  plan.norm = norm_weight(layers * kPerLayer, "norm");
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t at = l * kPerLayer;
     const at::Tensor &pk = pools_k[l], &pv = pools_v[l];
