@@ -1,5 +1,5 @@
 // Greedy pick in one pass over the logits (torch.ops.torch_runner_native.greedy_pick): per row of
-// x [B, V] (fp32 / bf16, rows `row_stride` apart) the first index of the maximum of
+// x [B, V] (fp32 / bf16, rows x.stride(0) apart) the first index of the maximum of
 // nan_to_num(x, nan=-inf, posinf=FLT_MAX) (the sampler's sanitising, then max(dim).indices' tie
 // rule), and whether every value was finite (the runner's NaN / inf flag). It replaces
 // nan_to_num + max(dim) + sum + isfinite (~5 aten ops, ~0.1-0.3 ms a 49,152-wide CPU row; aten's
@@ -44,14 +44,14 @@ std::pair<int64_t, bool> pick_row(const T* row, int64_t v) {
   alignas(32) int32_t idx[8];
   _mm256_store_ps(vals, best);
   _mm256_store_si256(reinterpret_cast<__m256i*>(idx), best_at);
-  // a lane that never beat -inf holds index 0 or its own first column: both <= any later one
+  // a lane that never beat -inf (or no vector step at all) holds -inf at index 0: an all -inf /
+  // NaN row's first maximum is column 0, and any finite value beats it
   float top = vals[0];
-  int64_t top_at = j > 0 ? idx[0] : 0;
-  for (int l = 1; l < 8 && j > 0; ++l) {
+  int64_t top_at = idx[0];
+  for (int l = 1; l < 8; ++l) {
     if (vals[l] > top || (vals[l] == top && idx[l] < top_at)) top = vals[l], top_at = idx[l];
   }
   bool finite = _mm256_movemask_ps(bad) == 0;
-  if (j == 0) top = sanitised(static_cast<float>(row[0]));
   for (int64_t t = j; t < v; ++t) {
     const float x = static_cast<float>(row[t]);
     finite = finite && std::isfinite(x);
