@@ -407,3 +407,14 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (only for the rows the runner samples)."""
         return project_to_vocab(hidden, self.model.embed_tokens, self.lm_head)
+
+    def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int):
+        """(ids [M] int64, finite [M] bool): the first index of the maximum of
+        compute_logits(hidden)[:, :vocab_size] and whether those logits were all finite, where
+        the lm_head weight can pick it without every logit (`greedy`: the fp32 CPU head of
+        ops/cpu_native/split_head.py); else None."""
+        if type(self).compute_logits is not CausalLM.compute_logits:
+            return None  # a family whose logits are not the plain product
+        weight = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
+        pick = getattr(weight, "greedy", None)
+        return None if pick is None else pick(hidden, vocab_size)

@@ -5,7 +5,8 @@ GEMV (NativePackedDenseWeight: one weight stream per row block, linear.h says wh
 q/k/v and gate/up parameters, views of the fused matrices, become `meta` placeholders as
 oneDNN packing leaves them (memory neutral; the state dict is no longer a checkpoint). A tied
 lm_head is tiled too and the embedding then looks its rows up in the tiles (TiledEmbedding), so
-the vocabulary is held once.
+the vocabulary is held once; an fp32 head is tiled as two 16-bit planes (split_head.py: the
+same bytes, and a greedy pick that reads about half of them).
 
 Why: on the AVX2-only box MKL / oneDNN streamed the batch-1 matrices at 12-19 GB/s around a
 large per-call overhead; the native GEMV is the same fp32-accumulated product (summation order
@@ -25,10 +26,13 @@ from models.layers import Attention, GatedMLP, PackedHead, to_placeholders
 from models.quantize import return_freed_memory
 from ops.cpu_native import hugepages
 from ops.cpu_native import weights as cpu_weights
+from ops.cpu_native.build import native_ops
+from ops.cpu_native.split_head import NativeSplitHeadWeight
 from ops.cpu_native.weights import NativeDenseWeight, NativePackedDenseWeight
 from ops.quant.int_linear import QuantizedLinearWeight
 
 DTYPES = (torch.float32, torch.bfloat16)
+TILED = (NativePackedDenseWeight, NativeSplitHeadWeight)  # weights of the tiled layouts
 
 
 def native_linear_weights(model: nn.Module) -> int:
@@ -38,28 +42,30 @@ def native_linear_weights(model: nn.Module) -> int:
     count = 0
     tiles = cpu_weights.prefers_tiles()
 
-    def wrap(weight, pack: bool):
+    def wrap(weight, pack: bool, is_head: bool = False):
         nonlocal count
         if not isinstance(weight, torch.Tensor) or weight.dtype not in DTYPES:
             return weight
         count += 1
         n, k = weight.shape
         if pack and tiles and n % 4 == 0 and k % 16 == 0:
+            if is_head and weight.dtype == torch.float32 and native_ops() is not None:
+                return NativeSplitHeadWeight(weight)  # the screened greedy pick
             return NativePackedDenseWeight(weight)
         return NativeDenseWeight(weight)
 
-    def wrap_param(linear: nn.Linear, pack: bool = True) -> None:
-        value = wrap(linear.weight, pack)
+    def wrap_param(linear: nn.Linear, pack: bool = True, is_head: bool = False) -> None:
+        value = wrap(linear.weight, pack, is_head)
         if not isinstance(value, torch.Tensor):
             del linear.weight  # a parameter slot only takes tensors
             linear.weight = value
 
-    def wrap_buffer(module: nn.Module, name: str, parts=(), pack: bool = True) -> None:
-        value = wrap(getattr(module, name), pack)
+    def wrap_buffer(module: nn.Module, name: str, parts=(), pack=True, is_head=False) -> None:
+        value = wrap(getattr(module, name), pack, is_head)
         if not isinstance(value, torch.Tensor):
             module._buffers.pop(name, None)
             setattr(module, name, value)
-        if isinstance(value, NativePackedDenseWeight):  # the parts' views would pin the rows
+        if isinstance(value, TILED):  # the parts' views would pin the rows
             to_placeholders(*parts)
 
     for module in list(model.modules()):
@@ -79,11 +85,12 @@ def native_linear_weights(model: nn.Module) -> int:
     if head is None:  # tied: the embedding is also the lm_head
         embed = model.model.embed_tokens
         model.lm_head = PackedHead(embed.weight)
-        wrap_buffer(model.lm_head, "weight", pack=type(embed) is nn.Embedding)  # not a vocab shard
-        if isinstance(model.lm_head.weight, NativePackedDenseWeight):
+        is_full = type(embed) is nn.Embedding  # not a vocab shard
+        wrap_buffer(model.lm_head, "weight", pack=is_full, is_head=True)
+        if isinstance(model.lm_head.weight, TILED):
             model.model.embed_tokens = TiledEmbedding(model.lm_head.weight)
     elif isinstance(head, nn.Linear):
-        wrap_param(head)
+        wrap_param(head, is_head=True)
     if tiles:
         return_freed_memory()
     return count
@@ -91,18 +98,16 @@ def native_linear_weights(model: nn.Module) -> int:
 
 class TiledEmbedding(nn.Module):
     """A tied model's embedding once its lm_head is tiled: token t's row is read from the head's
-    tiles [V / 4, H / 16, 4, 16] (row t: tiles[t // 4, :, t % 4]), the same values as the
-    dense table, which is freed. `weight` is no longer a tensor: a lookup is this module's call."""
+    tiles (`rows`), the same values as the dense table, which is freed. `weight` is no longer a
+    tensor: a lookup is this module's call."""
 
-    def __init__(self, head: NativePackedDenseWeight):
+    def __init__(self, head: NativePackedDenseWeight | NativeSplitHeadWeight):
         super().__init__()
         self.head = head
         self.num_embeddings, self.embedding_dim = head.shape
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        tiles = self.head.tiles
-        rows = tiles[input_ids // 4, :, input_ids % 4]  # [*ids, H / 16, 16]
-        return rows.reshape(*input_ids.shape, self.embedding_dim)
+        return self.head.rows(input_ids)  # [*ids, H]
 
 
 def weight_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -262,8 +262,8 @@ def test_engine_greedy_tokens_native_equal_the_reference_math(llama, monkeypatch
         return [o.token_ids for o in outs], kinds
 
     native, kinds = run()
-    allowed = {"NativeDenseWeight", "NativePackedDenseWeight", "NativeInt8Weight",
-               "NativeInt4Weight"}  # fmt: skip
+    allowed = {"NativeDenseWeight", "NativePackedDenseWeight", "NativeSplitHeadWeight",
+               "NativeInt8Weight", "NativeInt4Weight"}  # fmt: skip
     assert kinds <= allowed, kinds
     monkeypatch.setattr(native_weights, "native_ops", lambda: None)
     reference_tokens, _ = run()

@@ -40,6 +40,8 @@ def profile_mode(dtype: str, quant: str, steps: int, profile_steps: int, top: in
     fast = runner.fast_decode
     runner.fast_decode = timed(times, "layers (flat decoder)", fast)
     runner.model.compute_logits = timed(times, "lm_head", runner.model.compute_logits)
+    if hasattr(runner.model, "greedy_tokens"):  # greedy steps of an fp32 head: the screened pick
+        runner.model.greedy_tokens = timed(times, "lm_head", runner.model.greedy_tokens)
     ops_sample = ops.sample
     ops.sample = timed(times, "sampler", ops_sample)
     prompt = list(range(100, 132))

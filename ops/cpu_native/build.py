@@ -37,7 +37,13 @@ KERNEL_MODES = ("native", "torch")
 KERNELS_ENV = "TORCH_RUNNER_CPU_KERNELS"
 SOURCES = [
     Path(__file__).with_name(f"{n}.cpp")
-    for n in ("linear_kernels", "pointwise_kernels", "decode_step", "greedy_kernels")
+    for n in (
+        "linear_kernels",
+        "pointwise_kernels",
+        "decode_step",
+        "greedy_kernels",
+        "head_kernels",
+    )
 ]
 HEADERS = [
     Path(__file__).with_name(n)

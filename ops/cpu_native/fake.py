@@ -55,3 +55,11 @@ def register() -> None:
     @torch.library.register_fake("torch_runner_native::greedy_pick")
     def _greedy_pick(x):
         return x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0], dtype=torch.bool)
+
+    @torch.library.register_fake("torch_runner_native::split_linear")
+    def _split_linear(x, hi, lo, bias, residual):
+        return x.new_empty(x.shape[0], hi.shape[0] * hi.shape[2])
+
+    @torch.library.register_fake("torch_runner_native::split_greedy")
+    def _split_greedy(x, hi, lo, err, vocab, wmax):
+        return x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0], dtype=torch.bool)

@@ -119,6 +119,10 @@ class NativePackedDenseWeight(NativeWeight):
     def dequantize(self) -> torch.Tensor:
         return reference.untile_rows(self.tiles)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows [*ids, K] of the weight (row t: tiles[t // 4, :, t % 4]; a tied embedding's lookup)."""
+        return self.tiles[ids // 4, :, ids % 4].reshape(*ids.shape, self.shape[1])
+
     def step_fields(self) -> tuple:
         return 4, self.tiles, None
 

@@ -38,6 +38,7 @@ __all__ = [
     "SampleOutput",
     "SamplingBatch",
     "draw_tokens",
+    "is_plain_greedy",
     "murmur_hash32",
     "process_logits",
     "sample",
@@ -97,17 +98,26 @@ def _native_greedy(logits: torch.Tensor, batch: SamplingBatch):
     column stride), and this process has loaded it; else None. Its pick is argmax of
     `process_logits`' output (nan_to_num of the raw logits), first index on ties."""
     if (
-        batch.greedy is None
-        or batch.greedy.rows is not None
-        or batch.logit_edits is not None
-        or batch.penalties is not None
-        or batch.needs_logprobs
+        not is_plain_greedy(batch)
         or logits.device.type != "cpu"
         or logits.dtype not in (torch.float32, torch.bfloat16)
         or logits.stride(-1) != 1
     ):
         return None
     return loaded_ops()
+
+
+def is_plain_greedy(batch: SamplingBatch) -> bool:
+    """True when `sample` returns argmax of the raw logits (NaN as -inf, +inf as the largest
+    float; first index on ties) and nothing else: every row greedy, no logit edit, penalty or
+    logprobs. A caller may then pick the tokens without the logits (the runner's screened lm_head)."""
+    return (
+        batch.greedy is not None
+        and batch.greedy.rows is None
+        and batch.logit_edits is None
+        and batch.penalties is None
+        and not batch.needs_logprobs
+    )
 
 
 def check_shapes(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> None:

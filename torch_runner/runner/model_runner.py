@@ -21,6 +21,7 @@ from models.native_weights import DTYPES as NATIVE_DTYPES
 from models.native_weights import native_linear_weights, weights_on_huge_pages
 from ops.cpu_native.build import wants_native
 from ops.sampling.batch import SamplingBatch
+from ops.sampling.sampler import SampleOutput, is_plain_greedy
 from torch_runner.kv.caches import (
     CacheLayout,
     PagedKVPool,
@@ -292,6 +293,12 @@ class ModelRunner:
 
         Under tensor parallel every rank runs this (same chunks, its shard) and the logits are
         gathered over the ranks; only rank 0 goes on to sample."""
+        forward = self.forward_hidden(chunks)
+        return None if forward is None else (self.logits(forward[0]), forward[1])
+
+    def forward_hidden(self, chunks) -> tuple[torch.Tensor, list] | None:
+        """Forward every group; the last hidden state [M, H] of each chunk that reaches its end
+        (those chunks, in order), or None when none does."""
         hidden_rows, sampled = [], []
         for group in group_chunks(chunks):
             hidden = self._forward_group(group)  # [B, N, H]
@@ -306,12 +313,14 @@ class ModelRunner:
                 sampled.extend(group[i] for i in rows)
         if not sampled:
             return None
-        logits = self.model.compute_logits(
-            torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0]
-        )
+        return torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0], sampled
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H] -> logits [M, V'] (gathered over the tensor-parallel ranks)."""
+        logits = self.model.compute_logits(hidden)
         if self.tensor_parallel is not None:  # vocab-parallel lm_head: [M, V/N] -> [M, V']
             logits = self.tensor_parallel.group.all_gather_last(logits)
-        return logits, sampled
+        return logits
 
     def execute(self, chunks: list[ScheduledChunk], grammar_rows=None) -> StepResult:
         """Run the step's chunks and wait for its tokens (`launch(...).result()`)."""
@@ -327,10 +336,10 @@ class ModelRunner:
         launched = self._launch_graph_step(chunks)
         if launched is not None:
             return launched
-        forward = self.forward_logits(chunks)
+        forward = self.forward_hidden(chunks)
         if forward is None:
             return LaunchedStep([])
-        logits, sampled = forward
+        hidden, sampled = forward
         seqs = [c.seq for c in sampled]
         edit_rows = grammar_rows(sampled) if grammar_rows is not None else None
         batch = SamplingBatch.build(
@@ -343,9 +352,11 @@ class ModelRunner:
             deterministic=self.deterministic,
             eos_token_ids=self.eos_token_ids,
         )
-        positions = self._to_device([c.end - 1 for c in sampled])
-        logits = logits[:, : self.vocab_size]
-        out = ops.sample(logits, batch, positions, self.generator)
+        out = self._pick_greedy(hidden, batch)  # greedy without every logit, where it can
+        if out is None:
+            positions = self._to_device([c.end - 1 for c in sampled])
+            logits = self.logits(hidden)[:, : self.vocab_size]
+            out = ops.sample(logits, batch, positions, self.generator)
         # a row whose raw logits hold NaN/inf gets token -1 (the engine ends that request with
         # an error); folded into the one transfer of token ids below, so no extra sync. An fp32
         # row sum is NaN/inf iff some logit is (finite logits cannot reach 3e38 in total), and
@@ -357,6 +368,16 @@ class ModelRunner:
         # the next step's chained rows read the sampler's ids (always valid vocabulary ids)
         self._future = (out.token_ids, {s.request_id: i for i, s in enumerate(seqs)})
         return LaunchedStep(seqs, token_ids, out.logprobs, out.top_logprobs)
+
+    def _pick_greedy(self, hidden: torch.Tensor, batch: SamplingBatch) -> SampleOutput | None:
+        """The sampler's output for an all-greedy batch with nothing to edit, picked by the
+        lm_head without computing every logit (models' `greedy_tokens`: the fp32 CPU head's
+        screened pick, the same ids); None where it cannot (then logits and the sampler)."""
+        pick = getattr(self.model, "greedy_tokens", None)  # a CausalLM's (models/layers.py)
+        if pick is None or self.tensor_parallel is not None or not is_plain_greedy(batch):
+            return None
+        picked = pick(hidden, self.vocab_size)
+        return None if picked is None else SampleOutput(picked[0], None, None, picked[1])
 
     def _launch_graph_step(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
         """A pure-decode step whose sampling a graph can run (graph_head.py: no logprobs, logit
