@@ -47,14 +47,15 @@ def workload(engine: Engine):
 
 
 def num_weights(engine: Engine) -> int:
-    """Values held in weight memory: every distinct storage of the model's parameters, buffers
-    and packed / tiled weights (the state dict alone misses the tiles, and a tiled tied head
-    replaces the embedding; meta placeholders hold nothing)."""
+    """Bytes held in weight memory: every distinct storage of the model's parameters, buffers
+    and packed / tiled weights (the state dict alone misses the tiles, a tiled tied head
+    replaces the embedding, and an fp32 head is two 16-bit planes; meta placeholders hold
+    nothing)."""
     seen = {}
     for t in weight_tensors(engine.runner.model):
         if not t.is_meta:
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes() // t.element_size()
+            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
