@@ -18,11 +18,14 @@ from collections import defaultdict
 import torch
 
 
-def timed(store: dict, key: str, fn):
+def timed(store: dict, key: str, fn, counts=lambda out: True):
+    """fn, timed into store[key] where counts(its output)."""
+
     def wrapper(*a, **k):
         t0 = time.perf_counter()
         out = fn(*a, **k)
-        store[key].append(time.perf_counter() - t0)
+        if counts(out):
+            store[key].append(time.perf_counter() - t0)
         return out
 
     return wrapper
@@ -40,8 +43,9 @@ def profile_mode(dtype: str, quant: str, steps: int, profile_steps: int, top: in
     fast = runner.fast_decode
     runner.fast_decode = timed(times, "layers (flat decoder)", fast)
     runner.model.compute_logits = timed(times, "lm_head", runner.model.compute_logits)
-    if hasattr(runner.model, "greedy_tokens"):  # greedy steps of an fp32 head: the screened pick
-        runner.model.greedy_tokens = timed(times, "lm_head", runner.model.greedy_tokens)
+    if hasattr(runner.model, "greedy_tokens"):  # an fp32 head's screened greedy pick (None: no)
+        pick = runner.model.greedy_tokens
+        runner.model.greedy_tokens = timed(times, "lm_head", pick, lambda out: out is not None)
     ops_sample = ops.sample
     ops.sample = timed(times, "sampler", ops_sample)
     prompt = list(range(100, 132))
