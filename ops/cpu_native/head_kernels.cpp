@@ -110,6 +110,33 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& hi, const at::Ten
   return out;
 }
 
+// One row's pick (split_greedy): x its fp32 values, xeo the same in even / odd order, a its
+// approximate (hi plane) logits; -1 where the bound cannot decide
+int64_t pick_row(const Planes& p, const float* x, const float* xeo, const float* a, const float* e,
+                 int64_t vocab, double wmax) {
+  double norm = 0.0;
+  for (int64_t t = 0; t < p.k; ++t) norm += static_cast<double>(x[t]) * x[t];
+  norm = std::sqrt(norm) * (1.0 + 1e-12);  // the double sum's own rounding, covered
+  if (!std::isfinite(norm) || norm * wmax * 1.01 >= FLT_MAX) return -1;
+  double floor = -INFINITY;  // L: max of the lower bounds
+  bool finite = true;
+  for (int64_t j = 0; j < vocab; ++j) {
+    finite = finite && std::isfinite(a[j]);
+    floor = std::max(floor, a[j] - norm * e[j] - 1e-30);  // 1e-30: underflowed products
+  }
+  if (!finite) return -1;
+  float best = -INFINITY;
+  int64_t best_at = -1;
+  for (int64_t j = 0; j < vocab; ++j) {
+    if (a[j] + norm * e[j] + 1e-30 < floor) continue;
+    const int64_t at = j / kRows * kRows * p.k;
+    float exact;
+    packed_split_dot<1>(p.hi + at, p.lo + at, p.k, j % kRows, xeo, &exact);
+    if (exact > best) best = exact, best_at = j;  // strict: the first maximum
+  }
+  return best_at;
+}
+
 // Per row of x [M, K]: the first index of the maximum of the first `vocab` columns of
 // split_linear(x, hi, lo), decided from hi where err [N] allows (the top comment). ok [M] is false
 // where the bound could not decide (x or an approximate value not finite, or |x| |w_j| near
@@ -133,33 +160,15 @@ std::tuple<at::Tensor, at::Tensor> split_greedy(const at::Tensor& x, const at::T
   tr_native::even_odd_rows(x.data_ptr<float>(), m, k, xf);
   at::Tensor ids = at::zeros({m}, x.options().dtype(at::kLong));
   at::Tensor ok = at::zeros({m}, x.options().dtype(at::kBool));
-  const float* e = err.data_ptr<float>();
-  for (int64_t i = 0; i < m; ++i) {
-    const float* xi = x.data_ptr<float>() + i * k;
-    double norm = 0.0;
-    for (int64_t t = 0; t < k; ++t) norm += static_cast<double>(xi[t]) * xi[t];
-    norm = std::sqrt(norm) * (1.0 + 1e-12);  // the double sum's own rounding, covered
-    if (!std::isfinite(norm) || norm * wmax * 1.01 >= FLT_MAX) continue;
-    const float* a = approx.data_ptr<float>() + i * n;
-    double floor = -INFINITY;  // L: max of the lower bounds
-    bool finite = true;
-    for (int64_t j = 0; j < vocab; ++j) {
-      finite = finite && std::isfinite(a[j]);
-      floor = std::max(floor, a[j] - norm * e[j] - 1e-30);  // 1e-30: underflowed products
+  int64_t* id = ids.data_ptr<int64_t>();
+  bool* is_ok = ok.data_ptr<bool>();
+  const float *xp = x.data_ptr<float>(), *ap = approx.data_ptr<float>();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {  // rows apart (m = 1: inline)
+    for (int64_t i = begin; i < end; ++i) {
+      id[i] = pick_row(p, xp + i * k, xf.data() + i * k, ap + i * n, err.data_ptr<float>(), vocab, wmax);
+      is_ok[i] = id[i] >= 0;
     }
-    if (!finite) continue;
-    float best = -INFINITY;
-    int64_t best_at = -1;
-    for (int64_t j = 0; j < vocab; ++j) {
-      if (a[j] + norm * e[j] + 1e-30 < floor) continue;
-      const int64_t at = j / kRows * kRows * k;
-      float exact;
-      packed_split_dot<1>(p.hi + at, p.lo + at, k, j % kRows, xf.data() + i * k, &exact);
-      if (exact > best) best = exact, best_at = j;  // strict: the first maximum
-    }
-    ids.data_ptr<int64_t>()[i] = best_at;
-    ok.data_ptr<bool>()[i] = best_at >= 0;
-  }
+  });
   return {ids, ok};
 }
 
