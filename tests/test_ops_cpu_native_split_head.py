@@ -50,6 +50,8 @@ def test_product_is_the_fp32_product(lib):
     gamma = 578 * 2.0**-24  # a 576-term fp32 dot product's relative error bound
     scale = x.double().abs() @ w.double().abs().T
     assert ((got.double() - want).abs() <= gamma * scale).all()
+    # one row at a time (the planes read directly) and five (each block rebuilt once): the same bits
+    assert torch.equal(torch.cat([head.linear(x[i : i + 1], None) for i in range(5)]), got)
     bias, residual = torch.randn(256), torch.randn(5, 256)
     with_extras = lib.split_linear(x, head.hi, head.lo, bias, residual)
     torch.testing.assert_close(with_extras, got + bias + residual, rtol=1e-6, atol=1e-6)

@@ -20,6 +20,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <optional>
@@ -54,6 +55,38 @@ inline void packed_split_dot(const uint16_t* hi, const uint16_t* lo, int64_t k, 
       const __m256i odd = _mm256_or_si256(_mm256_and_si256(h, high), _mm256_srli_epi32(l, 16));
       a0[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(even), e, a0[r]);
       a1[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(odd), o, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = tr_native::hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
+// A 4-row block rebuilt to fp32, [K / 16][4 rows][the 8 even values | the 8 odd ones] (the
+// planes' order), as packed_split_dot's registers hold them
+inline void rebuild(const uint16_t* hi, const uint16_t* lo, int64_t k, float* out) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m256i low = _mm256_set1_epi32(0xFFFF);
+  for (int64_t v = 0; v < k * kRows; v += 16) {  // chunk by chunk, row by row: the planes' order
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + v));
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v),
+                        _mm256_or_si256(_mm256_slli_epi32(h, 16), _mm256_and_si256(l, low)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v + 8),
+                        _mm256_or_si256(_mm256_and_si256(h, high), _mm256_srli_epi32(l, 16)));
+  }
+}
+
+// packed_split_dot<R>'s sums over a rebuilt block (the same vectors, the same order: the same bits)
+template <int R>
+inline void eo_dot(const float* rebuilt, int64_t k, const float* xrow, float* out) {
+  const float *xe = xrow, *xo = xrow + k / 2;
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) {
+    const __m256 e = _mm256_loadu_ps(xe + j / 2), o = _mm256_loadu_ps(xo + j / 2);
+    for (int r = 0; r < R; ++r) {
+      const float* src = rebuilt + (j / 16 * R + r) * 16;
+      a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(src), e, a0[r]);
+      a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(src + 8), o, a1[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = tr_native::hsum(_mm256_add_ps(a0[r], a1[r]));
@@ -97,16 +130,35 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& hi, const at::Ten
   std::vector<float> xf;
   tr_native::even_odd_rows(x.data_ptr<float>(), m, k, xf);
   const float* xp = xf.data();
-  tr_native::run_rows(
-      m, n, 4 * k, bias ? bias->data_ptr<float>() : nullptr,
-      residual ? residual->data_ptr<float>() : nullptr, out.data_ptr<float>(),
-      [&](int64_t row, int64_t i, float* o) {
-        const int64_t at = row / kRows * kRows * k;
-        packed_split_dot<1>(p.hi + at, p.lo + at, k, row % kRows, xp + i * k, o);
-      },
-      [&](int64_t row, int64_t i, float* o) {
-        packed_split_dot<4>(p.hi + row * k, p.lo + row * k, k, 0, xp + i * k, o);
-      });
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  // as linear.h's run_rows over 4-row blocks (N % 4 == 0 here). Several rows: each block is
+  // rebuilt once into fp32 and every row multiplies that (rebuilding per row cost 1.6x the fp32
+  // tiles' time at M = 16; now 1.05-1.15x at M = 2-16, equal at M = 1; log session 31)
+  const int64_t grain = std::max<int64_t>(1, tr_native::kGrainBytes / (kRows * 4 * k * m));
+  at::parallel_for(0, n / kRows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> rebuilt(m > 1 ? kRows * k : 0);
+    float acc[kRows];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t at = blk * kRows * k;
+      for (int64_t i = 0; i < m; ++i) {
+        if (m == 1) {
+          packed_split_dot<4>(p.hi + at, p.lo + at, k, 0, xp, acc);
+        } else {
+          if (i == 0) rebuild(p.hi + at, p.lo + at, k, rebuilt.data());
+          eo_dot<4>(rebuilt.data(), k, xp + i * k, acc);
+        }
+        for (int64_t r = 0; r < kRows; ++r) {
+          const int64_t col = blk * kRows + r, at_out = i * n + col;
+          float v = acc[r];
+          if (bp) v += bp[col];
+          if (rp) v += rp[at_out];
+          op[at_out] = v;
+        }
+      }
+    }
+  });
   return out;
 }
 
