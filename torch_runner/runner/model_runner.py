@@ -340,6 +340,8 @@ class ModelRunner:
         if forward is None:
             return LaunchedStep([])
         hidden, sampled = forward
+        # queued before the host work below, unless a CPU head may pick greedy tokens without it
+        logits = None if self.device.type == "cpu" else self.logits(hidden)
         seqs = [c.seq for c in sampled]
         edit_rows = grammar_rows(sampled) if grammar_rows is not None else None
         batch = SamplingBatch.build(
@@ -352,10 +354,10 @@ class ModelRunner:
             deterministic=self.deterministic,
             eos_token_ids=self.eos_token_ids,
         )
-        out = self._pick_greedy(hidden, batch)  # greedy without every logit, where it can
-        if out is None:
+        out = None if logits is not None else self._pick_greedy(hidden, batch)
+        if out is None:  # the logits and the sampler
             positions = self._to_device([c.end - 1 for c in sampled])
-            logits = self.logits(hidden)[:, : self.vocab_size]
+            logits = (self.logits(hidden) if logits is None else logits)[:, : self.vocab_size]
             out = ops.sample(logits, batch, positions, self.generator)
         # a row whose raw logits hold NaN/inf gets token -1 (the engine ends that request with
         # an error); folded into the one transfer of token ids below, so no extra sync. An fp32
